@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing) and installs trtssd with what the tests and the demo need.
+# On CPU machines torch is pinned to 2.13.0: an unpinned torch would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.trtssd-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+  .venv/bin/python -m pip install -q -e ".[test,kernels]"
+  touch "$stamp"
+fi

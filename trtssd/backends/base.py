@@ -1,0 +1,78 @@
+"""The executor protocol: the only surface the runtime uses to run a model.
+
+Both ranks call it: the target for prefill and K+1-token verification, the draft for prefill,
+glue decode and tree decode. The torch backend implements it on CPU (and CUDA); a TensorRT-LLM
+executor may implement it for the target.
+
+KV layout, per sequence: storage slots ``[0, committed)`` hold the committed prefix and are
+visible to every new token. Slots from ``committed`` on are the *region*: verification tokens,
+glue tokens and tree scratch live there, each new token seeing only the region slots its mask
+allows. Writing the region never changes the committed prefix, so discarding is free and
+committing accepted tokens is a length update (no copy). Logical positions (for RoPE) are given
+per token and are independent of the storage slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+
+class CapacityError(RuntimeError):
+    """A request does not fit in the executor's memory budget (raised, never a crash)."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One sequence's tokens in one forward pass.
+
+    tokens:    [n] int64 token ids.
+    positions: [n] int64 logical positions (RoPE).
+    slots:     [n] int64 storage slots, all >= the sequence's committed length.
+    mask:      [n, R] bool, token i may attend region slot ``committed + r`` iff mask[i, r].
+               A token must see its own slot. R covers every region slot any token uses.
+    """
+
+    seq_id: int
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
+    last_logits_only: bool = False  # prefill needs only the last row; saves a [n, V] projection
+
+
+def chain_chunk(
+    seq_id: int, tokens: Sequence[int] | torch.Tensor, start: int, last_logits_only: bool = False
+) -> Chunk:
+    """A causal run of tokens appended at logical position and slot ``start`` (= committed)."""
+    tokens = torch.as_tensor(tokens, dtype=torch.long)
+    n = tokens.numel()
+    idx = torch.arange(start, start + n, dtype=torch.long)
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    return Chunk(seq_id, tokens, idx, idx, mask, last_logits_only)
+
+
+class Executor(Protocol):
+    """What a model backend must provide (see module docstring for the KV contract)."""
+
+    vocab_size: int
+    max_seq_len: int  # longest sequence (prompt + output + region) one slot can hold
+
+    def add_sequence(self, seq_id: int) -> None:
+        """Reserve KV storage for a new sequence; raises CapacityError when none is free."""
+
+    def release(self, seq_id: int) -> None:
+        """Free a sequence's storage (idempotent)."""
+
+    def committed(self, seq_id: int) -> int:
+        """Number of committed tokens (slots [0, n) are the prefix)."""
+
+    def forward(self, chunks: Sequence[Chunk]) -> list[torch.Tensor]:
+        """Run the model over every chunk in one batched pass; returns fp32 logits [n_i, V]
+        per chunk ([1, V] when ``last_logits_only``). Writes KV into the chunk's slots;
+        commits nothing."""
+
+    def commit(self, seq_id: int, n_tokens: int) -> None:
+        """Mark region slots [committed, committed + n_tokens) as committed prefix."""

@@ -1,0 +1,117 @@
+"""Configuration as frozen dataclasses; every default says why it is what it is."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+class Mode(str, enum.Enum):
+    """How tokens are produced. One enum instead of scattered boolean flags."""
+
+    AR = "ar"  # plain autoregressive decoding on the target; no draft, no speculation code on the path
+    SD = "sd"  # ordinary speculative decoding: draft K tokens, then verify (sequential)
+    SSD = "ssd"  # Saguaro: the draft pre-speculates for likely outcomes while the target verifies
+
+
+class Backup(str, enum.Enum):
+    """What answers a cache miss in SSD mode (ALGORITHM.md section 4)."""
+
+    AUTO = "auto"  # choose per round from measured costs, hit rate and batch size
+    NEURAL = "neural"  # the draft drafts K tokens just in time for the missing rows
+    FAST = "fast"  # n-gram / prompt-lookup proposal, verified as a point mass (still exact)
+
+
+def _choice(enum_cls, value, field_name: str):
+    try:
+        return enum_cls(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in enum_cls)
+        raise ValueError(f"{field_name} must be one of {allowed}; got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculation settings, shared by the target (verification) and the draft (speculation)."""
+
+    mode: Mode = Mode.SSD  # the product's point; ar/sd exist for honest comparison
+    k: int = 5  # lookahead; measured best on the default engine (see README benchmarks)
+    fanout: str | tuple[int, ...] = "auto"  # "auto" = section 7 from online a and r, or K+1 ints
+    fanout_budget: int = 12  # branches per sequence per round when fanout is "auto"
+    saguaro_c: float = 0.7  # cache-aware scaling of the draft's top-(F+1); 1.0 = plain sampling
+    backup: Backup = Backup.AUTO  # miss policy
+    draft_timeout_s: float = 30.0  # no draft reply within this: the draft is declared dead
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", _choice(Mode, self.mode, "mode"))
+        object.__setattr__(self, "backup", _choice(Backup, self.backup, "backup"))
+        if not isinstance(self.k, int) or not 1 <= self.k <= 16:
+            raise ValueError(f"k must be an integer in [1, 16]; got {self.k!r}")
+        if isinstance(self.fanout, str):
+            if self.fanout != "auto":
+                raise ValueError(f"fanout must be 'auto' or a list of {self.k + 1} non-negative ints; got {self.fanout!r}")
+        else:
+            fan = tuple(self.fanout)
+            if len(fan) != self.k + 1 or any((not isinstance(f, int)) or f < 0 for f in fan):
+                raise ValueError(f"fanout must be 'auto' or a list of k+1={self.k + 1} non-negative ints; got {self.fanout!r}")
+            object.__setattr__(self, "fanout", fan)
+        if not isinstance(self.fanout_budget, int) or not 1 <= self.fanout_budget <= 256:
+            raise ValueError(f"fanout_budget must be an integer in [1, 256]; got {self.fanout_budget!r}")
+        if not 0.0 < self.saguaro_c <= 1.0:
+            raise ValueError(f"saguaro_c must be in (0, 1]; got {self.saguaro_c!r}")
+        if not self.draft_timeout_s > 0:
+            raise ValueError(f"draft_timeout_s must be > 0; got {self.draft_timeout_s!r}")
+
+    @property
+    def budget(self) -> int:
+        """Branches per sequence per round."""
+        return sum(self.fanout) if isinstance(self.fanout, tuple) else self.fanout_budget
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Process layout and capacity."""
+
+    max_batch: int = 8  # sequences in flight at once
+    max_seq_len: int = 2048  # prompt + output tokens per sequence (the region for speculation is added on top)
+    target_threads: int = 1  # torch threads on the target rank (CPU)
+    draft_threads: int = 1  # torch threads on the draft rank (CPU)
+    target_cores: Sequence[int] | None = None  # CPU cores to pin the target to; None = core 0 when >1 core
+    draft_cores: Sequence[int] | None = None  # CPU cores to pin the draft to; None = the last core
+    poll_interval_s: float = 0.0002  # an idle rank sleeps this long between polls instead of spinning
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_seq_len", "target_threads", "draft_threads"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer; got {v!r}")
+        if not 0 < self.poll_interval_s <= 0.1:
+            raise ValueError(f"poll_interval_s must be in (0, 0.1]; got {self.poll_interval_s!r}")
+        for name in ("target_cores", "draft_cores"):
+            v = getattr(self, name)
+            if v is not None:
+                object.__setattr__(self, name, tuple(int(c) for c in v))
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Where the models come from: an engine directory built by `trtssd build`."""
+
+    engine_dir: str | None = None  # None = the embedded default engine (built on first use)
+    extra: dict = field(default_factory=dict)  # forwarded to the backend loaders (tests: tiny models)
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A model one rank loads by itself (picklable, so the target can tell the draft what to load)."""
+
+    path: str  # engine directory, Hugging Face directory (config.json + safetensors) or .gguf file
+    side: str = "target"  # for engine directories: which model, "target" or "draft"
+    dtype: str = "float32"  # compute dtype of the torch backend ("float32" or "bfloat16")
+
+    def __post_init__(self) -> None:
+        if self.side not in ("target", "draft"):
+            raise ValueError(f"side must be 'target' or 'draft'; got {self.side!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16'; got {self.dtype!r}")

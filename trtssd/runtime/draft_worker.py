@@ -1,0 +1,313 @@
+"""The draft rank's work, free of any transport: answer -> glue -> fork -> tree -> populate.
+
+`answer` turns the target's verification outcomes into the next speculation (from the cache on a
+hit, from a backup speculator on a miss). In SSD mode `prespeculate` then runs while the target
+verifies: glue-decode the speculation just returned, fork on the likely bonus tokens, tree-decode
+every fork in one batched forward per step, and populate the cache for the next round.
+
+Every proposal is sampled from a known distribution that travels with it (Saguaro q', built by
+`trtssd.spec.saguaro.saguaro_probs` from the draft's processed distribution), or is
+deterministic and marked as a point mass, so the target's verification is exact either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from trtssd.backends.base import Executor, chain_chunk
+from trtssd.config import Backup, Mode, SpecConfig
+from trtssd.runtime.protocol import Outcome, Prefill, SpeculateRequest
+from trtssd.sampling import SamplingParams, make_generator, processed_probs, sample
+from trtssd.spec.backup import BackupCosts, ngram_proposal, prefer_neural
+from trtssd.spec.cache import SpeculationCache
+from trtssd.spec.fanout import AcceptanceEstimator, PowerLawEstimator, optimal_fanout
+from trtssd.spec.saguaro import saguaro_probs, select_forks
+from trtssd.spec.tree import TreeLayout, append_chunk
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DraftSequence:
+    """What the draft knows of one sequence."""
+
+    seq_id: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    history: list[int]  # prompt + every token the target has emitted
+    uncached: list[int] = field(default_factory=list)  # committed on the target, not in draft KV yet
+    kv_chain: list[int] = field(default_factory=list)  # tokens written as a chain in region slots 0..
+    bonus: int | None = None  # the pending bonus token (emitted, not yet verified past)
+    last_spec: list[int] = field(default_factory=list)  # the speculation returned last round
+    last_source: str = ""  # "hit", "neural" or "fast"
+    cached: bool = False  # the cache holds this sequence's pre-speculation for this round
+    fanout: list[int] = field(default_factory=list)  # per-depth fan-out of the cached round
+
+
+@dataclass(frozen=True)
+class Answer:
+    """Rows answering a SpeculateRequest, in its order."""
+
+    tokens: torch.Tensor  # [B, K] long
+    probs: torch.Tensor | None  # [B, K, V] q' rows; None when no row needs them
+    point_mass: list[bool]
+    hit: list[bool]
+    backup: list[str]
+
+
+class DraftWorker:
+    def __init__(self, executor: Executor, spec: SpecConfig):
+        self.executor = executor
+        self.spec = spec
+        self.k = spec.k
+        self.seqs: dict[int, DraftSequence] = {}
+        self.cache = SpeculationCache()
+        self.acceptance = AcceptanceEstimator()
+        self.power_law = PowerLawEstimator()
+        self.costs = BackupCosts()
+        self._answered: list[int] = []  # sequences of the last answer, to pre-speculate for
+
+    # --- sequences ---------------------------------------------------------------------------
+
+    def prefill(self, msg: Prefill) -> None:
+        params = msg.params
+        # The draft's randomness only shapes proposals, never the output distribution; a seeded
+        # request still gets a reproducible draft stream, distinct from the target's.
+        seeded = SamplingParams(seed=params.seed + 1) if params.seed is not None else params
+        seq = DraftSequence(msg.seq_id, params, make_generator(seeded), list(msg.prompt))
+        self.executor.add_sequence(msg.seq_id)
+        self.executor.forward([chain_chunk(msg.seq_id, msg.prompt, 0, last_logits_only=True)])
+        self.executor.commit(msg.seq_id, len(msg.prompt))
+        self.seqs[msg.seq_id] = seq
+
+    def release(self, seq_ids) -> None:
+        for sid in seq_ids:
+            if self.seqs.pop(sid, None) is not None:
+                self.executor.release(sid)
+                self.cache.evict(sid)
+
+    # --- answer ------------------------------------------------------------------------------
+
+    def answer(self, req: SpeculateRequest) -> Answer:
+        self.release(req.released)
+        if req.verify_time_s > 0:
+            self.costs.observe("verify_s", req.verify_time_s)
+        seqs = [self._apply_outcome(o) for o in req.outcomes]
+        found = self._lookup(seqs, req.outcomes)
+        misses = [i for i, s in enumerate(found) if s is None]
+        use_neural = self._use_neural(len(seqs), len(misses))
+        tokens = torch.zeros(len(seqs), self.k, dtype=torch.long)
+        probs = None
+        if any(not s.params.is_greedy for s in seqs):
+            probs = torch.zeros(len(seqs), self.k, self.executor.vocab_size)
+        point_mass = [False] * len(seqs)
+        hit = [s is not None for s in found]
+        backup = [""] * len(seqs)
+        for i, spec in enumerate(found):
+            if spec is not None:
+                tokens[i] = spec.tokens
+                if probs is not None and spec.probs is not None:
+                    probs[i] = spec.probs
+                seqs[i].last_source = "hit"
+        if misses and use_neural:
+            t0 = time.perf_counter()
+            jit_tokens, jit_probs = self._draft_chain([seqs[i] for i in misses])
+            self.costs.observe("jit_s", time.perf_counter() - t0)
+            for row, i in enumerate(misses):
+                tokens[i] = jit_tokens[row]
+                if probs is not None and jit_probs is not None:
+                    probs[i] = jit_probs[row]
+                backup[i] = "neural"
+                seqs[i].last_source = "neural"
+        elif misses:
+            for i in misses:
+                tokens[i] = torch.tensor(ngram_proposal(seqs[i].history, self.k))
+                point_mass[i] = not seqs[i].params.is_greedy
+                backup[i] = "fast"
+                seqs[i].last_source = "fast"
+        for i, seq in enumerate(seqs):
+            seq.last_spec = tokens[i].tolist()
+        self._answered = [s.seq_id for s in seqs]
+        return Answer(tokens, probs, point_mass, hit, backup)
+
+    def _apply_outcome(self, outcome: Outcome) -> DraftSequence:
+        """Advance the draft's view of a sequence by the tokens the target just committed."""
+        seq = self.seqs[outcome.seq_id]
+        k = outcome.num_accepted
+        if seq.last_spec:
+            self._observe_outcome(seq, k)
+        truth = seq.uncached + ([seq.bonus] if seq.bonus is not None else []) + seq.last_spec[:k]
+        reuse = 0
+        while reuse < min(len(truth), len(seq.kv_chain)) and truth[reuse] == seq.kv_chain[reuse]:
+            reuse += 1
+        self.executor.commit(seq.seq_id, reuse)  # KV already written for these: no recompute
+        seq.uncached = truth[reuse:]
+        seq.kv_chain = []
+        seq.history += seq.last_spec[:k] + [outcome.bonus]
+        seq.bonus = outcome.bonus
+        return seq
+
+    def _observe_outcome(self, seq: DraftSequence, k: int) -> None:
+        if seq.last_source in ("hit", "neural"):
+            self.acceptance.update(k, len(seq.last_spec))
+            self.costs.observe("tokens_neural", k + 1)
+        elif seq.last_source == "fast":
+            self.costs.observe("tokens_fast", k + 1)
+
+    def _lookup(self, seqs: list[DraftSequence], outcomes) -> list:
+        found = [None] * len(seqs)
+        if self.spec.mode is not Mode.SSD:
+            return found
+        for i, (seq, o) in enumerate(zip(seqs, outcomes)):
+            if not seq.cached:
+                continue
+            spec = self.cache.lookup([(seq.seq_id, o.num_accepted, o.bonus)])[0]
+            depth_fanout = seq.fanout[o.num_accepted] if o.num_accepted < len(seq.fanout) else 0
+            self.power_law.update([max(depth_fanout, 1)], [spec is not None])
+            found[i] = spec
+            seq.cached = False
+            self.cache.evict(seq.seq_id)
+        return found
+
+    def _use_neural(self, batch: int, misses: int) -> bool:
+        if self.spec.mode is Mode.SD or self.spec.backup is Backup.NEURAL:
+            return True
+        if self.spec.backup is Backup.FAST:
+            return False
+        tokens_hit = self.costs.tokens_neural
+        return prefer_neural(batch, misses, tokens_hit, self.costs)
+
+    # --- drafting ----------------------------------------------------------------------------
+
+    def _fanout(self, seq: DraftSequence) -> list[int]:
+        if isinstance(self.spec.fanout, tuple):
+            return list(self.spec.fanout)
+        if seq.last_source == "fast":
+            # A fast-backup proposal almost always accepts 0 tokens: put every branch at depth 0.
+            return [self.spec.budget] + [0] * self.k
+        law = self.power_law.estimate()
+        return optimal_fanout(self.spec.budget, self.k, self.acceptance.value, law.r)
+
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[DraftSequence], fanouts: list[int]):
+        """One token per row from the draft's Saguaro distribution q'; returns (tokens, q' or
+        None for greedy rows)."""
+        params = [s.params for s in seqs]
+        greedy = all(p.is_greedy for p in params)
+        if greedy:
+            return logits.argmax(dim=-1), None
+        q = processed_probs(logits, params)
+        q_prime = saguaro_probs(q, torch.tensor(fanouts), self.spec.saguaro_c)
+        tokens = sample(q_prime, [s.generator for s in seqs])
+        return tokens, q_prime
+
+    def _draft_chain(self, seqs: list[DraftSequence]):
+        """Just-in-time drafting of K tokens for the given sequences, batched (K forwards)."""
+        fan = [self._fanout(s) for s in seqs]
+        chunks = []
+        for s in seqs:
+            head = s.uncached + [s.bonus]
+            chunks.append(chain_chunk(s.seq_id, head, self.executor.committed(s.seq_id)))
+            s.kv_chain = list(head)
+        tokens = torch.zeros(len(seqs), self.k, dtype=torch.long)
+        probs = None if all(s.params.is_greedy for s in seqs) else torch.zeros(len(seqs), self.k, self.executor.vocab_size)
+        for d in range(self.k):
+            logits = torch.stack([out[-1] for out in self.executor.forward(chunks)])
+            tok, q = self._sample_rows(logits, seqs, [f[d] if d < len(f) else 0 for f in fan])
+            tokens[:, d] = tok
+            if probs is not None:
+                probs[:, d] = q
+            if d + 1 < self.k:
+                chunks = []
+                for s, t in zip(seqs, tok.tolist()):
+                    chunks.append(append_chunk(s.seq_id, self.executor.committed(s.seq_id), [t], len(s.kv_chain)))
+                    s.kv_chain.append(t)
+        return tokens, probs
+
+    # --- pre-speculation (SSD) ---------------------------------------------------------------
+
+    def prespeculate(self) -> None:
+        """Glue, fork, tree and populate for the sequences of the last answer."""
+        seqs = [self.seqs[sid] for sid in self._answered if sid in self.seqs]
+        self._answered = []
+        if not seqs:
+            return
+        glue_logits = self._glue(seqs)
+        layouts, fanouts = [], []
+        for seq, logits in zip(seqs, glue_logits):
+            fan = self._fanout(seq)
+            fan = self._fit_region(seq, fan)
+            scores = logits if seq.params.is_greedy else processed_probs(logits[None], [seq.params])[0]
+            forks = select_forks(scores, torch.tensor(seq.last_spec), fan)
+            layouts.append(
+                TreeLayout(
+                    seq.seq_id,
+                    self.executor.committed(seq.seq_id),
+                    self.k,
+                    torch.tensor([j for j, _ in forks], dtype=torch.long),
+                    torch.tensor([c for _, c in forks], dtype=torch.long),
+                )
+            )
+            fanouts.append(fan)
+        self._tree(seqs, layouts, fanouts)
+
+    def _glue(self, seqs: list[DraftSequence]) -> list[torch.Tensor]:
+        """Write draft KV for [uncached.., b, s_1..s_K]; return the K+1 glue logit rows each."""
+        chunks = []
+        for s in seqs:
+            toks = s.uncached + [s.bonus] + s.last_spec
+            chunks.append(chain_chunk(s.seq_id, toks, self.executor.committed(s.seq_id)))
+        outs = self.executor.forward(chunks)
+        rows = []
+        for s, out in zip(seqs, outs):
+            self.executor.commit(s.seq_id, len(s.uncached))  # target-committed: now in draft KV
+            s.uncached = []
+            s.kv_chain = [s.bonus] + s.last_spec
+            rows.append(out[-(self.k + 1) :])
+        return rows
+
+    def _fit_region(self, seq: DraftSequence, fan: list[int]) -> list[int]:
+        """Trim the fan-out so glue + tree fit the sequence's KV slot (never an error)."""
+        room = self.executor.max_seq_len - self.executor.committed(seq.seq_id) - (self.k + 1)
+        max_branches = max(room // self.k, 0)
+        fan = list(fan)
+        while sum(fan) > max_branches:
+            j = max(range(len(fan)), key=lambda i: fan[i])
+            fan[j] -= 1
+        return fan
+
+    def _tree(self, seqs: list[DraftSequence], layouts: list[TreeLayout], fanouts: list[list[int]]) -> None:
+        live = [i for i, lay in enumerate(layouts) if lay.num_branches > 0]
+        tokens = {i: torch.zeros(layouts[i].num_branches, self.k, dtype=torch.long) for i in live}
+        greedy = {i: seqs[i].params.is_greedy for i in live}
+        probs = {
+            i: None if greedy[i] else torch.zeros(layouts[i].num_branches, self.k, self.executor.vocab_size)
+            for i in live
+        }
+        inputs = {i: layouts[i].fork_token for i in live}
+        for d in range(self.k):
+            if not live:
+                break
+            outs = self.executor.forward([layouts[i].step_chunk(d, inputs[i]) for i in live])
+            for i, logits in zip(live, outs):
+                nb = layouts[i].num_branches
+                fan_d = fanouts[i][d] if d < len(fanouts[i]) else 0
+                tok, q = self._sample_rows(logits, [seqs[i]] * nb, [fan_d] * nb)
+                tokens[i][:, d] = tok
+                if q is not None:
+                    probs[i][:, d] = q
+                inputs[i] = tok
+        self.cache_populate(seqs, layouts, fanouts, tokens, probs)
+
+    def cache_populate(self, seqs, layouts, fanouts, tokens, probs) -> None:
+        for i, (seq, lay) in enumerate(zip(seqs, layouts)):
+            self.cache.evict(seq.seq_id)
+            seq.fanout = fanouts[i]
+            seq.cached = True
+            if lay.num_branches == 0:
+                continue
+            keys = list(zip(lay.fork_depth.tolist(), lay.fork_token.tolist()))
+            self.cache.populate(seq.seq_id, keys, tokens[i], probs[i])

@@ -1,0 +1,273 @@
+"""The target rank: scheduling, speculate -> verify -> commit, and emission with stops.
+
+Each step admits waiting requests (target prefill, draft prefill in parallel), then runs one
+round for every running sequence: in `ar` mode one target step; in `sd`/`ssd` mode it sends the
+last outcomes to the draft, receives the speculation, verifies it in one K+1-token target pass
+and commits the accepted tokens. The target's own state (committed KV plus the pending bonus
+token) is always enough to continue alone, which is how a lost draft degrades to `ar` without
+losing or corrupting anything.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from trtssd.backends.base import Chunk, Executor, chain_chunk
+from trtssd.config import Mode, SpecConfig
+from trtssd.runtime import protocol as P
+from trtssd.runtime.draft_link import DraftLink
+from trtssd.runtime.metrics import SpecMetrics
+from trtssd.runtime.transport import PeerLost
+from trtssd.sampling import SamplingParams, make_generator, processed_probs, sample
+from trtssd.spec.verify import verify
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    output: list[int] = field(default_factory=list)
+    bonus: int | None = None  # last emitted token, not yet in the target's KV
+    outcome: P.Outcome | None = None  # to report to the draft next round
+    finish_reason: str | None = None
+    text: str = ""
+    metrics: SpecMetrics = field(default_factory=SpecMetrics)
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    on_draft: bool = False  # the draft rank knows this sequence
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step produced for one sequence (a streaming delta)."""
+
+    seq_id: int
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+
+
+class Engine:
+    def __init__(self, target: Executor, spec: SpecConfig, max_batch: int, tokenizer=None,
+                 eos_token_ids: tuple[int, ...] = (), draft: DraftLink | None = None):
+        if spec.mode is not Mode.AR and draft is None:
+            raise ValueError(f"mode {spec.mode.value!r} needs a draft rank")
+        self.target = target
+        self.spec = spec
+        self.max_batch = max_batch
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.draft = draft if spec.mode is not Mode.AR else None
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.finished: dict[int, Sequence] = {}
+        self.metrics = SpecMetrics()
+        self._ids = itertools.count()
+        self._round = 0
+        self._released: list[int] = []
+        self._last_verify_s = 0.0
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def add_request(self, prompt: list[int], params: SamplingParams) -> int:
+        if not prompt:
+            raise ValueError("prompt must contain at least one token")
+        bad = [t for t in prompt if not 0 <= t < self.target.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.target.vocab_size}); got {bad[:5]}")
+        need = len(prompt) + params.max_tokens + self.spec.k + 1
+        if need > self.target.max_seq_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) + speculation "
+                f"({self.spec.k + 1}) = {need} exceeds max_seq_len {self.target.max_seq_len}"
+            )
+        seq = Sequence(next(self._ids), list(prompt), params, make_generator(params))
+        self.waiting.append(seq)
+        return seq.seq_id
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def speculating(self) -> bool:
+        return self.draft is not None and self.draft.alive
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        self._admit(outputs)
+        if self.running:
+            if self.speculating:
+                try:
+                    self._speculative_round(outputs)
+                except PeerLost:
+                    self._ar_round(outputs)  # the draft is gone: this round in ar, nothing lost
+            else:
+                self._ar_round(outputs)
+        self._retire()
+        return outputs
+
+    def _admit(self, outputs: list[StepOutput]) -> None:
+        new = []
+        while self.waiting and len(self.running) + len(new) < self.max_batch:
+            new.append(self.waiting.popleft())
+        if not new:
+            return
+        for seq in new:
+            if self.speculating:
+                seq.on_draft = self.draft.send(P.Prefill(seq.seq_id, tuple(seq.prompt), seq.params))
+            self.target.add_sequence(seq.seq_id)
+        chunks = [chain_chunk(s.seq_id, s.prompt, 0, last_logits_only=True) for s in new]
+        logits = torch.cat(self.target.forward(chunks))  # [B, V]
+        first = sample(processed_probs(logits, [s.params for s in new]), [s.generator for s in new])
+        for seq, tok in zip(new, first.tolist()):
+            self.target.commit(seq.seq_id, len(seq.prompt))
+            seq.first_token_time = time.perf_counter()
+            seq.outcome = P.Outcome(seq.seq_id, 0, tok)
+            self.running.append(seq)
+            self._emit(seq, [tok], outputs)
+
+    def _ar_round(self, outputs: list[StepOutput]) -> None:
+        seqs = self.running
+        chunks = [chain_chunk(s.seq_id, [s.bonus], self.target.committed(s.seq_id)) for s in seqs]
+        logits = torch.cat(self.target.forward(chunks))
+        nxt = sample(processed_probs(logits, [s.params for s in seqs]), [s.generator for s in seqs])
+        for seq, tok in zip(seqs, nxt.tolist()):
+            self.target.commit(seq.seq_id, 1)
+            if self.spec.mode is not Mode.AR:
+                seq.metrics.degraded_rounds += 1
+            seq.on_draft = False
+            self._emit(seq, [tok], outputs)
+
+    def _speculative_round(self, outputs: list[StepOutput]) -> None:
+        seqs = [s for s in self.running if s.on_draft]
+        if len(seqs) != len(self.running):
+            raise PeerLost("some sequences are unknown to the draft")
+        t0 = time.perf_counter()
+        slot = self._round % 2
+        req = P.SpeculateRequest(self._round, tuple(s.outcome for s in seqs), slot, self._last_verify_s,
+                                 tuple(self._released))
+        self._released = []
+        self._round += 1
+        reply, tokens, probs = self.draft.speculate(req)
+        t1 = time.perf_counter()
+        k = self.spec.k
+        chunks = [
+            Chunk(s.seq_id, *_verify_layout(s.bonus, tokens[i], self.target.committed(s.seq_id)))
+            for i, s in enumerate(seqs)
+        ]
+        logits = torch.stack(self.target.forward(chunks))  # [B, K+1, V]
+        result = verify(
+            logits, tokens.clone(), torch.full((len(seqs),), k, dtype=torch.long), probs,
+            torch.tensor(reply.point_mass, dtype=torch.bool), [s.params for s in seqs],
+            [s.generator for s in seqs],
+        )
+        t2 = time.perf_counter()
+        self._last_verify_s = t2 - t1
+        accepted = result.num_accepted.tolist()
+        bonus = result.bonus.tolist()
+        proposals = tokens.tolist()
+        for i, seq in enumerate(seqs):
+            n = accepted[i]
+            self.target.commit(seq.seq_id, n + 1)
+            seq.outcome = P.Outcome(seq.seq_id, n, bonus[i])
+            m = seq.metrics
+            m.record_round(k, n, reply.hit[i], reply.backup[i])
+            m.verify_time_s += t2 - t1
+            m.draft_wait_time_s += t1 - t0
+            m.round_time_s += t2 - t0
+            self._emit(seq, proposals[i][:n] + [bonus[i]], outputs)
+
+    # --- emission and stops ------------------------------------------------------------------
+
+    def _emit(self, seq: Sequence, tokens: list[int], outputs: list[StepOutput]) -> None:
+        """Append tokens up to the first stop; nothing past a stop is emitted."""
+        params = seq.params
+        new: list[int] = []
+        for tok in tokens:
+            new.append(tok)
+            seq.output.append(tok)
+            if not params.ignore_eos and tok in self.eos_token_ids:
+                seq.finish_reason = "stop"
+            elif tok in params.stop_token_ids:
+                seq.finish_reason = "stop"
+            elif len(seq.output) >= params.max_tokens:
+                seq.finish_reason = "length"
+            if seq.finish_reason:
+                break
+        seq.bonus = seq.output[-1]
+        seq.metrics.num_generated_tokens = len(seq.output)
+        delta = self._update_text(seq, new)
+        outputs.append(StepOutput(seq.seq_id, new, delta, seq.finish_reason is not None, seq.finish_reason))
+
+    def _update_text(self, seq: Sequence, new: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
+        if seq.params.stop:
+            hit = _first_stop(text, seq.params.stop, len(seq.text))
+            if hit is not None:
+                # Keep the tokens up to the one completing the stop string; drop the rest.
+                while len(seq.output) > 1:
+                    shorter = self.tokenizer.decode(seq.output[:-1], skip_special_tokens=True)
+                    if _first_stop(shorter, seq.params.stop, 0) is None:
+                        break
+                    seq.output.pop()
+                    if new:
+                        new.pop()
+                text = text[:hit]
+                seq.finish_reason = "stop"
+        if text.endswith("\ufffd") and seq.finish_reason is None:
+            return ""  # an incomplete UTF-8 sequence: wait for the next token
+        delta = text[len(seq.text):] if text.startswith(seq.text) else text
+        seq.text = text
+        return delta
+
+    def _retire(self) -> None:
+        still = []
+        for seq in self.running:
+            if seq.finish_reason is None:
+                still.append(seq)
+                continue
+            seq.finish_time = time.perf_counter()
+            self.target.release(seq.seq_id)
+            if seq.on_draft:
+                self._released.append(seq.seq_id)
+            self.metrics.merge(seq.metrics)
+            self.finished[seq.seq_id] = seq
+        self.running = still
+        if self._released and self.speculating and not self.running and not self.waiting:
+            self.draft.send(P.Release(tuple(self._released)))
+            self._released = []
+
+    def pop_finished(self, seq_id: int) -> Sequence:
+        return self.finished.pop(seq_id)
+
+
+def _verify_layout(bonus: int, proposals: torch.Tensor, committed: int):
+    """[b, s_1..s_K] appended causally at the committed length."""
+    chunk = chain_chunk(-1, [bonus] + proposals.tolist(), committed)
+    return chunk.tokens, chunk.positions, chunk.slots, chunk.mask
+
+
+def _first_stop(text: str, stops: tuple[str, ...], search_from: int) -> int | None:
+    """Index where the earliest stop string starts, looking from a little before search_from."""
+    best = None
+    for stop in stops:
+        idx = text.find(stop, max(0, search_from - len(stop) + 1))
+        if idx != -1 and (best is None or idx < best):
+            best = idx
+    return best

@@ -1,0 +1,86 @@
+"""Speculation metrics, per request and in aggregate (vLLM names where they exist).
+
+Counters are plain Python numbers updated from values the loop already has on the host, so
+keeping them costs no device synchronisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class SpecMetrics:
+    num_drafts: int = 0  # rounds that verified a speculation
+    num_draft_tokens: int = 0  # proposals verified
+    num_accepted_tokens: int = 0  # proposals accepted
+    accepted_per_position: list[int] = field(default_factory=list)
+    proposed_per_position: list[int] = field(default_factory=list)
+    cache_hits: int = 0
+    cache_misses: int = 0
+    accepted_on_hit: int = 0
+    accepted_on_miss: int = 0
+    neural_backups: int = 0
+    fast_backups: int = 0
+    num_generated_tokens: int = 0
+    verify_time_s: float = 0.0  # target forward + verification
+    draft_wait_time_s: float = 0.0  # time the target waited for the draft's answer (handshake)
+    round_time_s: float = 0.0  # whole speculative rounds
+    degraded_rounds: int = 0  # rounds decoded in ar mode because the draft was lost
+
+    def record_round(self, k: int, accepted: int, hit: bool, backup: str) -> None:
+        if len(self.accepted_per_position) < k:
+            grow = k - len(self.accepted_per_position)
+            self.accepted_per_position += [0] * grow
+            self.proposed_per_position += [0] * grow
+        self.num_drafts += 1
+        self.num_draft_tokens += k
+        self.num_accepted_tokens += accepted
+        for i in range(k):
+            self.proposed_per_position[i] += 1
+            if i < accepted:
+                self.accepted_per_position[i] += 1
+        if hit:
+            self.cache_hits += 1
+            self.accepted_on_hit += accepted
+        else:
+            self.cache_misses += 1
+            self.accepted_on_miss += accepted
+        if backup == "neural":
+            self.neural_backups += 1
+        elif backup == "fast":
+            self.fast_backups += 1
+
+    def merge(self, other: "SpecMetrics") -> None:
+        for name, value in asdict(other).items():
+            mine = getattr(self, name)
+            if isinstance(value, list):
+                if len(mine) < len(value):
+                    mine += [0] * (len(value) - len(mine))
+                for i, v in enumerate(value):
+                    mine[i] += v
+            else:
+                setattr(self, name, mine + value)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verified round (accepted + the bonus)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        total = self.cache_hits + self.cache_misses
+        return self.cache_hits / total if total else 0.0
+
+    def summary(self) -> dict:
+        out = asdict(self)
+        out["mean_acceptance_length"] = round(self.mean_acceptance_length, 4)
+        out["cache_hit_rate"] = round(self.cache_hit_rate, 4)
+        out["acceptance_rate_per_position"] = [
+            round(a / p, 4) if p else 0.0 for a, p in zip(self.accepted_per_position, self.proposed_per_position)
+        ]
+        out["mean_accepted_on_hit"] = round(self.accepted_on_hit / self.cache_hits, 4) if self.cache_hits else 0.0
+        out["mean_accepted_on_miss"] = round(self.accepted_on_miss / self.cache_misses, 4) if self.cache_misses else 0.0
+        # Share of the round the target spent verifying rather than waiting for the draft.
+        out["overlap_efficiency"] = round(self.verify_time_s / self.round_time_s, 4) if self.round_time_s else 0.0
+        return out

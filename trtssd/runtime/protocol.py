@@ -1,0 +1,106 @@
+"""Every message between the target rank and the draft rank, used by both sides.
+
+Control messages are small pickled dataclasses sent over MPI. Bulk tensors (the K proposal
+tokens per row and the q' rows they were sampled from) travel through the shared buffers of
+`transport.SharedBuffers`; a reply says which buffer slot holds its rows. Row i of a reply answers
+``outcomes[i]`` of the request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trtssd.config import ModelRef, RuntimeConfig, SpecConfig
+from trtssd.sampling import SamplingParams
+
+CONTROL_TAG = 11  # target -> draft
+REPLY_TAG = 12  # draft -> target
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    """Shape of one shared-buffer slot; two slots are double-buffered."""
+
+    max_batch: int
+    k: int
+    vocab_size: int
+    shm_name: str | None  # POSIX shared memory name (connect mode); None = MPI-3 window
+
+
+@dataclass(frozen=True)
+class Hello:
+    """First message from the target: everything the draft needs to start serving."""
+
+    spec: SpecConfig
+    runtime: RuntimeConfig
+    layout: BufferLayout
+    draft_model: ModelRef
+    max_seq_len: int  # KV slot length the draft needs (prompt + output + glue + tree region)
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The draft's answer to Hello: it has loaded its model and attached the buffers."""
+
+    vocab_size: int
+    load_time_s: float
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """A new sequence: the draft prefills its prompt (overlapping the target's own prefill)."""
+
+    seq_id: int
+    prompt: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The verification outcome of the last round: k drafts accepted, then the bonus token.
+
+    For a sequence's first round k is 0 and the bonus is the first sampled token.
+    """
+
+    seq_id: int
+    num_accepted: int
+    bonus: int
+
+
+@dataclass(frozen=True)
+class SpeculateRequest:
+    round_id: int
+    outcomes: tuple[Outcome, ...]
+    slot: int  # shared-buffer slot the reply must write
+    verify_time_s: float  # the target's last verify time, for the backup policy
+    released: tuple[int, ...] = ()  # sequences finished since the last request
+
+
+@dataclass(frozen=True)
+class SpeculateReply:
+    round_id: int
+    slot: int
+    hit: tuple[bool, ...]  # per row: answered from the cache
+    backup: tuple[str, ...]  # per row: "" on a hit, else "neural" or "fast"
+    point_mass: tuple[bool, ...]  # per row: deterministic proposal (verified as a point mass)
+    has_probs: bool  # q' rows were written (False when every row is greedy or point mass)
+    answer_time_s: float  # draft time spent answering this request
+    prespec_time_s: float  # draft time spent pre-speculating after the previous reply
+    timings: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Release:
+    seq_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+@dataclass(frozen=True)
+class DraftError:
+    """The draft hit an exception; the target degrades to AR mode."""
+
+    message: str

@@ -1,0 +1,170 @@
+"""SamplingParams validation and the logits -> p map, checked against a plain loop implementation."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from trtssd.sampling import (SamplingParams, draw_uniforms, make_generator, processed_probs, sample,
+                             sample_with_uniforms)
+
+
+def reference_probs(logits: np.ndarray, sp: SamplingParams) -> np.ndarray:
+    """One row, float64, written for clarity: temperature, top-k, top-p, min-p (HF order)."""
+    vocab = len(logits)
+    if sp.temperature == 0:
+        out = np.zeros(vocab)
+        out[int(np.argmax(logits))] = 1.0
+        return out
+    x = logits.astype(np.float64) / sp.temperature
+    keep = np.ones(vocab, dtype=bool)
+
+    def probs():
+        e = np.where(keep, np.exp(x - x[keep].max()), 0.0)
+        return e / e.sum()
+
+    if sp.top_k > 0:
+        kth = np.sort(x)[::-1][min(sp.top_k, vocab) - 1]
+        keep &= x >= kth
+    if sp.top_p < 1:
+        p = probs()
+        mass = 0.0
+        for token in np.argsort(-x, kind="stable"):
+            if not keep[token]:
+                continue
+            if mass >= sp.top_p:
+                keep[token] = False
+            mass += p[token]
+    if sp.min_p > 0:
+        p = probs()
+        keep &= p >= sp.min_p * p.max()
+    return probs()
+
+
+# ---- SamplingParams ---------------------------------------------------------------------------
+
+
+def test_defaults_and_greedy_flag():
+    sp = SamplingParams()
+    assert (sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.max_tokens) == (1.0, 0, 1.0, 0.0, 128)
+    assert not sp.is_greedy and SamplingParams(temperature=0).is_greedy
+
+
+def test_lists_become_tuples_and_params_are_frozen_and_hashable():
+    sp = SamplingParams(stop=["\n\n", "END"], stop_token_ids=[2, 7])
+    assert sp.stop == ("\n\n", "END") and sp.stop_token_ids == (2, 7)
+    assert hash(sp) == hash(SamplingParams(stop=("\n\n", "END"), stop_token_ids=(2, 7)))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        sp.temperature = 0.5
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", -0.1), ("temperature", math.inf), ("temperature", math.nan), ("temperature", "1"),
+    ("top_k", -1), ("top_k", 2.0), ("top_k", True),
+    ("top_p", 0.0), ("top_p", 1.5),
+    ("min_p", -0.1), ("min_p", 1.0),
+    ("max_tokens", 0), ("max_tokens", 1.5),
+    ("stop", ("",)), ("stop", "END"), ("stop", (3,)),
+    ("stop_token_ids", (-1,)), ("stop_token_ids", ("a",)),
+    ("ignore_eos", 1),
+    ("seed", -1), ("seed", 2**64), ("seed", 1.0),
+])
+def test_bad_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be"):
+        SamplingParams(**{field: value})
+
+
+# ---- processed_probs ----------------------------------------------------------------------------
+
+
+def test_processed_probs_matches_the_reference_for_mixed_rows():
+    g = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(0)
+    batch, n, vocab = 64, 3, 12
+    logits = 2 * torch.randn(batch, n, vocab, generator=g)
+    params = [SamplingParams(temperature=float(rng.choice([0.0, 0.5, 1.0, 1.7])),
+                             top_k=int(rng.choice([0, 1, 3, 20])),
+                             top_p=float(rng.choice([1.0, 0.9, 0.5])),
+                             min_p=float(rng.choice([0.0, 0.05, 0.3]))) for _ in range(batch)]
+    p = processed_probs(logits, params)
+    assert p.dtype == torch.float32 and p.shape == logits.shape
+    for b in range(batch):
+        for i in range(n):
+            expected = reference_probs(logits[b, i].numpy(), params[b])
+            np.testing.assert_allclose(p[b, i].numpy(), expected, atol=2e-6, err_msg=f"{params[b]}")
+
+
+def test_top_k_keeps_ties_and_k_beyond_vocab_keeps_all():
+    logits = torch.tensor([[3.0, 3.0, 1.0, 0.0]])
+    p = processed_probs(logits, [SamplingParams(top_k=1)])
+    assert torch.allclose(p, torch.tensor([[0.5, 0.5, 0.0, 0.0]]))
+    assert torch.allclose(processed_probs(logits, [SamplingParams(top_k=99)]), torch.softmax(logits, -1))
+
+
+def test_a_row_does_not_depend_on_the_other_rows_settings():
+    # A peaked row: its tail mass is below fp32 resolution next to the peak.
+    logits = torch.zeros(2, 1000)
+    logits[:, 0] = 30.0
+    alone = processed_probs(logits[:1], [SamplingParams()])
+    mixed = processed_probs(logits, [SamplingParams(), SamplingParams(top_p=0.5, top_k=3)])
+    assert torch.equal(mixed[:1], alone) and (alone > 0).all()
+
+
+def test_greedy_is_one_hot_with_first_index_on_ties_and_2d_input():
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [5.0, 0.0, 0.0, 0.0]], dtype=torch.bfloat16)
+    p = processed_probs(logits, [SamplingParams(temperature=0)] * 2)
+    assert p.dtype == torch.float32
+    assert torch.equal(p, torch.tensor([[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]))
+
+
+def test_masked_vocab_entries_stay_zero():
+    logits = torch.tensor([[1.0, -math.inf, 0.5, -math.inf]])
+    p = processed_probs(logits, [SamplingParams(temperature=0.7, top_p=0.95)])
+    assert p[0, 1] == 0 and p[0, 3] == 0 and torch.isclose(p.sum(), torch.tensor(1.0))
+
+
+def test_processed_probs_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="params"):
+        processed_probs(torch.randn(2, 3, 4), [SamplingParams()])
+    with pytest.raises(ValueError, match="logits"):
+        processed_probs(torch.randn(4), [SamplingParams()])
+
+
+# ---- sampling -----------------------------------------------------------------------------------
+
+
+def test_sample_follows_the_distribution():
+    p = torch.tensor([0.05, 0.0, 0.4, 0.25, 0.3])
+    n = 100_000
+    draws = sample(p.expand(n, -1), torch.Generator().manual_seed(3))
+    freq = torch.bincount(draws, minlength=5).double() / n
+    sigma = torch.sqrt(p * (1 - p) / n).double().clamp(min=1e-12)
+    assert freq[1] == 0
+    assert ((freq - p).abs() / sigma).max() < 4.5
+    # The same check sees a shift of 0.01.
+    assert ((freq - (p + torch.tensor([0.01, 0, -0.01, 0, 0]))).abs() / sigma).max() > 4.5
+
+
+def test_inverse_cdf_edges_never_pick_zero_mass_tokens():
+    p = torch.tensor([[0.0, 0.3, 0.7, 0.0], [0.0, 0.3, 0.7, 0.0]])
+    u = torch.tensor([0.0, 1.0 - 2**-24])
+    assert sample_with_uniforms(p, u).tolist() == [1, 2]
+    unnormalised = torch.tensor([[0.0, 3.0, 1.0]])
+    assert sample_with_uniforms(unnormalised, torch.tensor([0.74])).tolist() == [1]
+    assert sample_with_uniforms(unnormalised, torch.tensor([0.76])).tolist() == [2]
+
+
+def test_seeded_generators_reproduce_and_unseeded_use_the_global_rng():
+    assert make_generator(SamplingParams()) is None
+    sp = SamplingParams(seed=1234)
+    p = torch.softmax(torch.randn(8, 20), -1)
+    assert torch.equal(sample(p, [make_generator(sp)] * 8), sample(p, [make_generator(sp)] * 8))
+    u = draw_uniforms([None, make_generator(sp), None], 3, 4)
+    assert torch.equal(u[1], torch.rand(4, generator=torch.Generator().manual_seed(1234)))
+    assert ((u >= 0) & (u < 1)).all()
+    with pytest.raises(ValueError, match="generators"):
+        draw_uniforms([None], 2, 1)

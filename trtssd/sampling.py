@@ -1,0 +1,217 @@
+"""Sampling parameters and the one map from target logits to the processed distribution p.
+
+Plain autoregressive sampling, speculative verification (trtssd.spec.verify) and the draft all
+call :func:`processed_probs`, so "the distribution the target samples from" has exactly one
+definition. Randomness always comes from per-row ``torch.Generator`` objects (None = torch's
+global RNG), so a seeded request draws the same numbers whatever else is in its batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import torch
+
+# What callers may pass as the source of randomness for a batch of rows:
+#   None                       -> every row uses torch's global RNG,
+#   a torch.Generator          -> every row draws from that one generator (tests, benchmarks),
+#   a sequence (one per row)   -> row i draws from generators[i] (None entries = global RNG).
+Generators = Union[None, torch.Generator, Sequence[Union[torch.Generator, None]]]
+
+_MAX_SEED = 2**63 - 1
+
+
+def _fail(field: str, allowed: str, value: object) -> None:
+    raise ValueError(f"SamplingParams.{field} must be {allowed}, got {value!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples. Validated on construction; never mutated afterwards.
+
+    Processing order (the same as Hugging Face ``generate``): temperature, top-k, top-p, min-p.
+    """
+
+    temperature: float = 1.0  # softmax temperature; 0 = greedy (argmax), the others are then unused
+    top_k: int = 0  # keep the k most likely tokens (ties with the k-th kept too); 0 = off
+    top_p: float = 1.0  # keep the smallest most-likely set with mass >= top_p; 1 = off
+    min_p: float = 0.0  # drop tokens with prob < min_p * (max prob); 0 = off
+    max_tokens: int = 128  # most tokens generated for the request
+    stop: tuple[str, ...] = ()  # stop when the output text contains one of these strings
+    stop_token_ids: tuple[int, ...] = ()  # stop after emitting one of these tokens (besides EOS)
+    ignore_eos: bool = False  # keep generating past EOS (benchmarks with fixed output length)
+    seed: int | None = None  # per-request RNG seed; None = torch's global RNG (not reproducible)
+
+    def __post_init__(self) -> None:
+        # Lists are accepted for convenience; stored as tuples so the object stays hashable.
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+        if not _is_real(self.temperature) or self.temperature < 0:
+            _fail("temperature", "a finite number >= 0 (0 = greedy)", self.temperature)
+        if not _is_int(self.top_k) or self.top_k < 0:
+            _fail("top_k", "an int >= 0 (0 = off)", self.top_k)
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            _fail("top_p", "a number in (0, 1] (1 = off)", self.top_p)
+        if not _is_real(self.min_p) or not 0 <= self.min_p < 1:
+            _fail("min_p", "a number in [0, 1) (0 = off)", self.min_p)
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            _fail("max_tokens", "an int >= 1", self.max_tokens)
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            _fail("stop", "a tuple/list of non-empty strings", self.stop)
+        if not isinstance(self.stop_token_ids, tuple) or not all(
+            _is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
+            _fail("stop_token_ids", "a tuple/list of ints >= 0", self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            _fail("ignore_eos", "a bool", self.ignore_eos)
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= _MAX_SEED):
+            _fail("seed", f"None or an int in [0, {_MAX_SEED}]", self.seed)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling settings of a batch as tensors (one row per request)."""
+
+    temperature: torch.Tensor  # [B] fp32; 1.0 on greedy rows (never divided by 0)
+    top_k: torch.Tensor  # [B] long, 0 = off
+    top_p: torch.Tensor  # [B] fp32
+    min_p: torch.Tensor  # [B] fp32
+    greedy: torch.Tensor  # [B] bool
+    needs_sort: bool  # some non-greedy row uses top-k or top-p (the only steps needing a sort)
+    needs_min_p: bool
+
+    @classmethod
+    def from_params(
+        cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu"
+    ) -> "SamplingTensors":
+        greedy = [p.is_greedy for p in params]
+        temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+        top_k = [0 if g else p.top_k for p, g in zip(params, greedy)]
+        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+        return cls(
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.long, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            needs_sort=any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
+            needs_min_p=any(m > 0 for m in min_p),
+        )
+
+
+def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Raw logits [B, n, V] (or [B, V]) -> the processed distribution p, fp32, same shape.
+
+    Row b uses ``params[b]`` at all its n positions. Greedy rows give a one-hot at the argmax
+    (first index on ties, as ``torch.argmax``).
+    """
+    if logits.dim() == 2:
+        return processed_probs(logits[:, None, :], params)[:, 0, :]
+    if logits.dim() != 3:
+        raise ValueError(f"logits must have shape [B, n, V] or [B, V], got {tuple(logits.shape)}")
+    if len(params) != logits.shape[0]:
+        raise ValueError(f"params has {len(params)} entries but logits has {logits.shape[0]} rows")
+    st = SamplingTensors.from_params(params, logits.device)
+    x = logits.float() / st.temperature[:, None, None]
+    keep = torch.ones_like(x, dtype=torch.bool)
+    if st.needs_sort:
+        keep = _top_k_top_p_keep(x, st.top_k, st.top_p)
+    if st.needs_min_p:
+        probs = torch.softmax(x.masked_fill(~keep, -math.inf), dim=-1)
+        # min-p is relative to the max, which renormalisation does not change.
+        threshold = st.min_p[:, None, None] * probs.amax(dim=-1, keepdim=True)
+        keep &= probs >= threshold
+    p = torch.softmax(x.masked_fill(~keep, -math.inf), dim=-1)
+    if bool(st.greedy.any()):
+        one_hot = torch.zeros_like(p).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        p = torch.where(st.greedy[:, None, None], one_hot, p)
+    return p
+
+
+def _top_k_top_p_keep(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask [B, n, V] of tokens surviving top-k then top-p (per-row k and p)."""
+    vocab = x.shape[-1]
+    # A stable sort makes the top-p boundary among equal logits deterministic (lower id first).
+    sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
+    keep_sorted = torch.ones_like(sorted_x, dtype=torch.bool)
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)  # k >= V means "keep all"
+    kth = sorted_x.gather(-1, (k - 1)[:, None, None].expand(-1, x.shape[1], 1))
+    keep_sorted &= sorted_x >= kth
+    probs = torch.softmax(sorted_x.masked_fill(~keep_sorted, -math.inf), dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
+    # Always keeps the most likely token. Rows without top-p skip the test: their rounded
+    # cumulative mass can reach 1.0 before the tail, which would cut tokens off.
+    top_p = top_p[:, None, None]
+    keep_sorted &= (mass_before < top_p) | (top_p >= 1)
+    return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+
+
+def make_generator(
+    params: SamplingParams, device: torch.device | str = "cpu"
+) -> torch.Generator | None:
+    """The request's own RNG when it has a seed; None means torch's global RNG."""
+    if params.seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(params.seed)
+
+
+def draw_uniforms(
+    generators: Generators, rows: int, cols: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Uniform [0, 1) numbers [rows, cols]; row i draws its ``cols`` numbers from its generator.
+
+    Rows sharing torch's global RNG are drawn in one call; each seeded row costs one small call,
+    so a seeded row consumes exactly ``cols`` numbers whatever the batch looks like.
+    """
+    if generators is None or isinstance(generators, torch.Generator):
+        return torch.rand(rows, cols, generator=generators, device=device)
+    if len(generators) != rows:
+        raise ValueError(f"generators has {len(generators)} entries, expected one per row ({rows})")
+    out = torch.empty(rows, cols, device=device)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        out[unseeded] = torch.rand(len(unseeded), cols, device=device)
+    for i, g in enumerate(generators):
+        if g is not None:
+            out[i] = torch.rand(cols, generator=g, device=device)
+    return out
+
+
+def sample_with_uniforms(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: probs [..., V] (need not sum to 1), u [...] in [0, 1) -> ids [...].
+
+    Returns the first token whose cumulative mass exceeds u * total, so a zero-probability token
+    is never returned (its cumulative mass equals its predecessor's).
+    """
+    cdf = probs.cumsum(dim=-1)
+    target = (u * cdf[..., -1])[..., None]
+    idx = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True)[..., 0]
+    # u * total can round up to total; fall back to the last token with mass in that case.
+    vocab = probs.shape[-1]
+    last_nonzero = vocab - 1 - (probs > 0).flip(-1).to(torch.uint8).argmax(dim=-1)
+    return torch.minimum(idx, last_nonzero)
+
+
+def sample(probs: torch.Tensor, generators: Generators = None) -> torch.Tensor:
+    """One token per row from probs [B, V], row i using generators[i]. Returns [B] long."""
+    if probs.dim() != 2:
+        raise ValueError(f"probs must have shape [B, V], got {tuple(probs.shape)}")
+    u = draw_uniforms(generators, probs.shape[0], 1, probs.device)[:, 0]
+    return sample_with_uniforms(probs, u)

@@ -1,3 +1,18 @@
 """trtssd: speculative speculative decoding (Saguaro) with target and draft in separate ranks."""
 
+from trtssd.config import Backup, Mode, ModelRef, RuntimeConfig, SpecConfig
+from trtssd.sampling import SamplingParams
+
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # LLM pulls in MPI and the model code; import it only when asked for.
+    if name in ("LLM", "RequestOutput"):
+        from trtssd import llm
+
+        return getattr(llm, name)
+    raise AttributeError(f"module 'trtssd' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "SpecConfig", "RuntimeConfig", "ModelRef", "Mode", "Backup"]

@@ -61,6 +61,12 @@ def tree_attention(
     region_mask: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Dispatch: the reference (torch SDPA with a boolean mask) on CPU; on CUDA the fused
-    Triton kernel once it is available (see trtssd/kernels)."""
+    """Dispatch: the fused Triton kernel on CUDA tensors (trtssd/kernels), the reference (torch
+    SDPA with a boolean mask) on CPU or when triton is not installed."""
+    if q.is_cuda:
+        from trtssd.kernels import load_tree_attention_kernel
+
+        kernel = load_tree_attention_kernel()
+        if kernel is not None:
+            return kernel(q, k, v, prefix_len, region_mask, scale)
     return tree_attention_reference(q, k, v, prefix_len, region_mask, scale)

@@ -52,6 +52,7 @@ class DraftLink:
         self.buffers: SharedBuffers | None = None
         self.alive = True
         self.failure: str | None = None
+        self.pid: int | None = None
 
     # --- start -------------------------------------------------------------------------------
 
@@ -92,7 +93,8 @@ class DraftLink:
         if ready.vocab_size != layout.vocab_size:
             self.close()
             raise ValueError(f"draft vocab_size {ready.vocab_size} != target vocab_size {layout.vocab_size}")
-        log.info("draft rank ready (model loaded in %.1f s)", ready.load_time_s)
+        self.pid = ready.pid
+        log.info("draft rank ready, pid %d (model loaded in %.1f s)", ready.pid, ready.load_time_s)
 
     # --- messages ----------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 
 from mpi4py import MPI
@@ -37,7 +38,7 @@ def serve(comm: MPI.Intracomm, target_rank: int = 0) -> None:
     t0 = time.perf_counter()
     executor = load_executor(hello.draft_model, max_seqs=hello.runtime.max_batch, max_seq_len=hello.max_seq_len)
     worker = DraftWorker(executor, hello.spec)
-    channel.send(P.Ready(executor.vocab_size, time.perf_counter() - t0), P.REPLY_TAG)
+    channel.send(P.Ready(executor.vocab_size, time.perf_counter() - t0, os.getpid()), P.REPLY_TAG)
     try:
         _loop(channel, buffers, worker, hello.spec.mode is Mode.SSD)
     except Exception as err:  # report, so the target degrades instead of waiting for a timeout

@@ -44,6 +44,7 @@ class Ready:
 
     vocab_size: int
     load_time_s: float
+    pid: int  # the draft process (lets tests and operators find it)
 
 
 @dataclass(frozen=True)

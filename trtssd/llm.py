@@ -1,0 +1,201 @@
+"""`LLM`: the Python API. Starts the target here and the draft rank as its own MPI process.
+
+    from trtssd import LLM, SamplingParams
+    with LLM(mode="ssd") as llm:
+        out = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=64))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from trtssd.config import Mode, ModelRef, RuntimeConfig, SpecConfig
+from trtssd.runtime.affinity import pin, restore, split_cores
+from trtssd.runtime.engine import Engine
+from trtssd.runtime.metrics import SpecMetrics
+from trtssd.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    prompt: Prompt
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    metrics: dict  # SpecMetrics.summary() plus time to first token and end-to-end latency
+
+
+class LLM:
+    """Target and draft for one engine.
+
+    engine:  engine directory built by `trtssd build`; None = the embedded default engine
+             (built on first use).
+    target, draft: explicit model references instead of an engine (tests use tiny models).
+    launch:  "spawn" starts the draft as its own MPI job (the default; survives a dying draft);
+             "world" uses the last rank of an ``mpiexec -n 2`` job as the draft.
+    Every other keyword goes to SpecConfig (mode, k, fanout, fanout_budget, saguaro_c, backup,
+    draft_timeout_s) or RuntimeConfig (max_batch, max_seq_len, *_threads, *_cores).
+    """
+
+    def __init__(self, engine: str | None = None, *, target: ModelRef | None = None,
+                 draft: ModelRef | None = None, launch: str = "spawn", **options):
+        from trtssd.backends.loading import resolve_models
+
+        spec_opts = {k: options.pop(k) for k in list(options) if k in SpecConfig.__dataclass_fields__}
+        run_opts = {k: options.pop(k) for k in list(options) if k in RuntimeConfig.__dataclass_fields__}
+        if options:
+            allowed = sorted(set(SpecConfig.__dataclass_fields__) | set(RuntimeConfig.__dataclass_fields__))
+            raise TypeError(f"unknown LLM option(s) {sorted(options)}; allowed: {allowed}")
+        if launch not in ("spawn", "world"):
+            raise ValueError(f"launch must be 'spawn' or 'world'; got {launch!r}")
+        self.spec = SpecConfig(**spec_opts)
+        runtime = RuntimeConfig(**run_opts)
+        if runtime.target_cores is None and runtime.draft_cores is None:
+            cores = split_cores(runtime.target_threads, runtime.draft_threads)
+            runtime = dataclasses.replace(runtime, target_cores=cores[0], draft_cores=cores[1])
+        self.runtime = runtime
+        target, draft = resolve_models(engine, target, draft)
+        self._closed = True  # until everything below has started
+        self._previous_affinity = pin("target", self.runtime.target_cores, self.runtime.target_threads)
+        try:
+            self.engine = self._start(target, draft, launch)
+        except BaseException:
+            restore(self._previous_affinity)
+            raise
+        self._closed = False
+
+    def _start(self, target: ModelRef, draft: ModelRef, launch: str) -> Engine:
+        from trtssd.backends.loading import load_executor, load_tokenizer
+
+        # Room for the verify block on the target; the draft also holds glue + tree scratch.
+        target_len = self.runtime.max_seq_len + self.spec.k + 1
+        draft_len = target_len + self.spec.k * self.spec.budget
+        executor = load_executor(target, max_seqs=self.runtime.max_batch, max_seq_len=target_len)
+        self.tokenizer = load_tokenizer(target)
+        link = None
+        if self.spec.mode is not Mode.AR:
+            link = self._start_draft(launch, draft, executor.vocab_size, draft_len)
+        return Engine(executor, self.spec, self.runtime.max_batch, self.tokenizer, _eos_ids(self.tokenizer), link)
+
+    def _start_draft(self, launch: str, draft: ModelRef, vocab_size: int, draft_len: int):
+        from mpi4py import MPI
+
+        from trtssd.runtime.draft_link import DraftLink
+
+        if launch == "world":
+            world = MPI.COMM_WORLD
+            if world.Get_size() < 2:
+                raise RuntimeError("launch='world' needs mpiexec -n 2 (the last rank is the draft)")
+            return DraftLink.from_world(world, draft, self.spec, self.runtime, vocab_size, draft_len)
+        return DraftLink.spawn(draft, self.spec, self.runtime, vocab_size, draft_len)
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must be a non-empty string or token id list")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token id lists")
+            return self.tokenizer.encode(prompt, add_special_tokens=False) or [self.tokenizer.bos_token_id or 0]
+        ids = list(prompt)
+        if not ids or not all(isinstance(t, int) for t in ids):
+            raise ValueError("prompt must be a non-empty string or a non-empty list of int token ids")
+        return ids
+
+    def generate(self, prompts: Sequence[Prompt] | Prompt,
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for a batch of prompts (list in, list out, same order)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = _broadcast_params(params, len(prompts))
+        ids = [self.engine.add_request(self._encode(p), sp) for p, sp in zip(prompts, params_list)]
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [self._output(p, self.engine.pop_finished(i)) for p, i in zip(prompts, ids)]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text deltas as tokens are committed (each round's accepted tokens at once)."""
+        seq_id = self.engine.add_request(self._encode(prompt), params or SamplingParams())
+        done = False
+        while not done:
+            for out in self.engine.step():
+                if out.seq_id != seq_id:
+                    continue
+                done = out.finished
+                if out.text_delta:
+                    yield out.text_delta
+        self.engine.pop_finished(seq_id)
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
+        """One assistant turn, with the model's chat template (through transformers)."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        if not messages or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages):
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict):
+            ids = ids["input_ids"]
+        return self.generate([list(ids)], params)[0]
+
+    def _output(self, prompt: Prompt, seq) -> RequestOutput:
+        m = seq.metrics.summary()
+        m["ttft_s"] = round(seq.first_token_time - seq.arrival, 6)
+        m["e2e_s"] = round(seq.finish_time - seq.arrival, 6)
+        return RequestOutput(prompt, seq.text, list(seq.output), seq.finish_reason, m)
+
+    @property
+    def metrics(self) -> SpecMetrics:
+        """Aggregate metrics over every finished request."""
+        return self.engine.metrics
+
+    @property
+    def draft_alive(self) -> bool:
+        return self.engine.speculating
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the draft rank, free shared memory, give the process its CPU affinity back."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.engine.draft is not None:
+            self.engine.draft.close()
+        restore(self._previous_affinity)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def _broadcast_params(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params
+
+
+def _eos_ids(tokenizer) -> tuple[int, ...]:
+    if tokenizer is None or tokenizer.eos_token_id is None:
+        return ()
+    return (int(tokenizer.eos_token_id),)

@@ -77,7 +77,8 @@ class LLM:
         # Room for the verify block on the target; the draft also holds glue + tree scratch.
         target_len = self.runtime.max_seq_len + self.spec.k + 1
         draft_len = target_len + self.spec.k * self.spec.budget
-        executor = load_executor(target, max_seqs=self.runtime.max_batch, max_seq_len=target_len)
+        executor = load_executor(target, max_seqs=self.runtime.max_batch, max_seq_len=target_len,
+                                 max_batch_tokens=batch_tokens(self.spec, self.runtime))
         self.tokenizer = load_tokenizer(target)
         link = None
         if self.spec.mode is not Mode.AR:
@@ -182,6 +183,11 @@ class LLM:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+def batch_tokens(spec: SpecConfig, runtime: RuntimeConfig) -> int:
+    """Tokens one forward may hold: a whole prompt, or every row's verify/glue/tree block."""
+    return runtime.max_seq_len + runtime.max_batch * (spec.budget + 2 * (spec.k + 1))
 
 
 def _broadcast_params(params, n: int) -> list[SamplingParams]:

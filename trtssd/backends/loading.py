@@ -35,14 +35,17 @@ def resolve_models(engine: str | None, target: ModelRef | None, draft: ModelRef 
     return ModelRef(engine, "target"), ModelRef(engine, "draft")
 
 
-def load_executor(ref: ModelRef, max_seqs: int, max_seq_len: int):
+def load_executor(ref: ModelRef, max_seqs: int, max_seq_len: int, max_batch_tokens: int | None = None):
+    """max_batch_tokens: most tokens in one forward (a prefill, or a batch's verify/glue/tree)."""
     if is_engine_dir(ref.path):
         from trtssd.build import load_side
 
-        return load_side(ref.path, ref.side, max_seqs=max_seqs, max_seq_len=max_seq_len)
+        return load_side(ref.path, ref.side, max_seqs=max_seqs, max_seq_len=max_seq_len,
+                         max_batch_tokens=max_batch_tokens)
     from trtssd.backends.torch_backend import TorchExecutor
 
-    return TorchExecutor.from_pretrained(ref.path, dtype=_DTYPES[ref.dtype], max_seqs=max_seqs, max_seq_len=max_seq_len)
+    return TorchExecutor.from_pretrained(ref.path, dtype=_DTYPES[ref.dtype], max_seqs=max_seqs,
+                                         max_seq_len=max_seq_len, max_batch_tokens=max_batch_tokens)
 
 
 def load_tokenizer(ref: ModelRef):

@@ -36,7 +36,10 @@ def serve(comm: MPI.Intracomm, target_rank: int = 0) -> None:
     else:
         buffers = SharedBuffers.attach_posix(hello.layout)
     t0 = time.perf_counter()
-    executor = load_executor(hello.draft_model, max_seqs=hello.runtime.max_batch, max_seq_len=hello.max_seq_len)
+    from trtssd.llm import batch_tokens
+
+    executor = load_executor(hello.draft_model, max_seqs=hello.runtime.max_batch, max_seq_len=hello.max_seq_len,
+                             max_batch_tokens=batch_tokens(hello.spec, hello.runtime))
     worker = DraftWorker(executor, hello.spec)
     channel.send(P.Ready(executor.vocab_size, time.perf_counter() - t0, os.getpid()), P.REPLY_TAG)
     try:

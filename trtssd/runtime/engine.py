@@ -126,12 +126,16 @@ class Engine:
             new.append(self.waiting.popleft())
         if not new:
             return
+        if self._released and self.speculating:
+            # Free the draft's rows of finished sequences before it must hold the new ones.
+            self.draft.send(P.Release(tuple(self._released)))
+            self._released = []
         for seq in new:
             if self.speculating:
                 seq.on_draft = self.draft.send(P.Prefill(seq.seq_id, tuple(seq.prompt), seq.params))
             self.target.add_sequence(seq.seq_id)
-        chunks = [chain_chunk(s.seq_id, s.prompt, 0, last_logits_only=True) for s in new]
-        logits = torch.cat(self.target.forward(chunks))  # [B, V]
+        logits = torch.cat([self.target.forward(group)[0] if len(group) == 1 else torch.cat(self.target.forward(group))
+                            for group in self._prefill_groups(new)])  # [B, V]
         first = sample(processed_probs(logits, [s.params for s in new]), [s.generator for s in new])
         for seq, tok in zip(new, first.tolist()):
             self.target.commit(seq.seq_id, len(seq.prompt))
@@ -139,6 +143,19 @@ class Engine:
             seq.outcome = P.Outcome(seq.seq_id, 0, tok)
             self.running.append(seq)
             self._emit(seq, [tok], outputs)
+
+    def _prefill_groups(self, seqs: list[Sequence]) -> list[list]:
+        """Prompt chunks grouped so no forward exceeds the executor's token budget."""
+        budget = getattr(self.target, "max_batch_tokens", None) or sum(len(s.prompt) for s in seqs)
+        groups, current, size = [], [], 0
+        for s in seqs:
+            if current and size + len(s.prompt) > budget:
+                groups.append(current)
+                current, size = [], 0
+            current.append(chain_chunk(s.seq_id, s.prompt, 0, last_logits_only=True))
+            size += len(s.prompt)
+        groups.append(current)
+        return groups
 
     def _ar_round(self, outputs: list[StepOutput]) -> None:
         seqs = self.running

@@ -60,13 +60,19 @@ def tree_attention(
     prefix_len: torch.Tensor,
     region_mask: torch.Tensor,
     scale: float | None = None,
+    kv_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dispatch: the fused Triton kernel on CUDA tensors (trtssd/kernels), the reference (torch
-    SDPA with a boolean mask) on CPU or when triton is not installed."""
+    SDPA with a boolean mask) on CPU or when triton is not installed.
+
+    kv_rows: optional [B] int; then k, v are a KV pool [rows, Hkv, S, D] and sequence b uses row
+    kv_rows[b] (the kernel reads it in place; the reference gathers it)."""
     if q.is_cuda:
         from trtssd.kernels import load_tree_attention_kernel
 
         kernel = load_tree_attention_kernel()
         if kernel is not None:
-            return kernel(q, k, v, prefix_len, region_mask, scale)
+            return kernel(q, k, v, prefix_len, region_mask, scale, kv_rows=kv_rows)
+    if kv_rows is not None:
+        k, v = k.index_select(0, kv_rows), v.index_select(0, kv_rows)
     return tree_attention_reference(q, k, v, prefix_len, region_mask, scale)

@@ -1,0 +1,179 @@
+"""Engine directories on a tiny GGUF model: build, no-op rebuild, load, tokenizer identity."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from trtssd.backends.base import chain_chunk
+from trtssd.build import (
+    DRAFT_FILE,
+    MANIFEST,
+    TARGET_FILE,
+    TokenizerMismatchError,
+    build_engine,
+    file_sha256,
+    load_engine,
+    load_manifest,
+    resolve_recipe,
+)
+
+Q4_1, Q8_0, F32 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F32
+MERGES = ["Ġ t", "Ġ a", "i n", "h e"]
+
+
+def _byte_chars() -> list[str]:
+    """The 256 printable stand-ins byte-level BPE uses for raw bytes."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b if b in printable else next(extra)) for b in range(256)]
+
+
+def make_tiny_gguf(path: Path, seed: int = 0, merges: list[str] = MERGES, layers: int = 2) -> Path:
+    """A random llama GGUF laid out like SmolLM2's: Q4_1 projections, tied Q8_0 embedding,
+    fp32 norms, and a byte-level BPE tokenizer."""
+    tokens = ["<|endoftext|>", *_byte_chars(), *(m.replace(" ", "") for m in MERGES)]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(layers)
+    w.add_context_length(256)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3] + [1] * (len(tokens) - 1))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+    rng = np.random.default_rng(seed)
+
+    def add(name: str, shape: tuple[int, ...], qtype, scale: float = 0.15, offset: float = 0.0) -> None:
+        values = (rng.standard_normal(shape) * scale + offset).astype(np.float32)
+        if qtype == F32:
+            w.add_tensor(name, values)
+        else:
+            raw = gguf.quants.quantize(values, qtype)
+            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+
+    add("token_embd.weight", (len(tokens), 64), Q8_0, scale=1.0)
+    add("output_norm.weight", (64,), F32, scale=0.1, offset=1.0)
+    for i in range(layers):
+        add(f"blk.{i}.attn_norm.weight", (64,), F32, scale=0.1, offset=1.0)
+        add(f"blk.{i}.ffn_norm.weight", (64,), F32, scale=0.1, offset=1.0)
+        for name, shape in (("attn_q", (64, 64)), ("attn_k", (32, 64)), ("attn_v", (32, 64)), ("attn_output", (64, 64)),
+                            ("ffn_gate", (128, 64)), ("ffn_up", (128, 64)), ("ffn_down", (64, 128))):
+            add(f"blk.{i}.{name}.weight", shape, Q4_1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("build")
+    source = make_tiny_gguf(root / "Tiny-Model.gguf")
+    engine = build_engine(source, root / "engines", progress=False)
+    return source, engine
+
+
+def test_engine_layout_and_manifest(built):
+    source, engine = built
+    assert engine.name == "tiny-model"
+    assert (engine / TARGET_FILE).read_bytes() == source.read_bytes()
+    manifest = load_manifest(engine)
+    assert manifest["architecture"]["num_layers"] == 2 and manifest["architecture"]["tie_word_embeddings"]
+    assert manifest["target"]["backend"] == "torch" and manifest["draft"]["backend"] == "torch-int4"
+    # 2 layers x 4 projections are Q4_1 in the file; the tied Q8_0 output layer is re-quantized.
+    assert manifest["draft"]["projections_exact_from_q4_1"] == 8
+    assert manifest["draft"]["projections_requantized"] == ["lm_head"]
+    assert manifest["tokenizer"]["vocab_size"] == 261 and manifest["tokenizer"]["num_merges"] == 4
+    assert set(manifest["build"]["outputs"]) == {TARGET_FILE, DRAFT_FILE}
+
+
+def test_rebuild_is_a_noop_unless_inputs_change(built, caplog):
+    source, engine = built
+    before = (engine / MANIFEST).stat().st_mtime_ns
+    with caplog.at_level(logging.INFO, logger="trtssd.build"):
+        assert build_engine(source, engine.parent, progress=False) == engine
+    assert "up to date" in caplog.text
+    assert (engine / MANIFEST).stat().st_mtime_ns == before
+    # A damaged output is noticed and rebuilt.
+    draft = engine / DRAFT_FILE
+    good = draft.read_bytes()
+    draft.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    build_engine(source, engine.parent, progress=False)
+    assert (engine / MANIFEST).stat().st_mtime_ns != before
+    assert draft.read_bytes() == good
+    assert json.loads((engine / MANIFEST).read_text())["build"]["outputs"][DRAFT_FILE] == file_sha256(draft)
+    assert not [p for p in engine.parent.iterdir() if p.name.startswith(".")]  # no staging left behind
+
+
+def test_loaded_draft_agrees_with_target(built):
+    _, engine = built
+    loaded = load_engine(engine, max_seqs=1, max_seq_len=64)
+    prompt = loaded.tokenizer.encode(" the cat in a hat")
+    assert prompt[0] == 257  # the merge "Ġ t" (ids: 0 special, 1..256 bytes, then merges)
+    logits = []
+    for ex in (loaded.target, loaded.draft):
+        ex.add_sequence(0)
+        logits.append(ex.forward([chain_chunk(0, prompt, 0)])[0])
+    target, draft = logits
+    assert draft.shape == target.shape == (len(prompt), 261)
+    # Same Q4_1 projections; bf16 arithmetic and the re-quantized output layer differ, but the
+    # head's best 16 rows are re-scored in fp32, so the top of the distribution matches closely.
+    assert (draft.argmax(-1) == target.argmax(-1)).all()
+    top = target.topk(4, dim=-1).indices
+    assert (draft.gather(1, top) - target.gather(1, top)).abs().max() < 0.02 * target.abs().max()
+
+
+def test_tokenizer_mismatch_is_refused(built, tmp_path):
+    source, _ = built
+    # Same vocabulary, merges in another order: tokenizes differently, so it must be refused.
+    other = make_tiny_gguf(tmp_path / "other.gguf", merges=["Ġ a", "Ġ t", "i n", "h e"])
+    with pytest.raises(TokenizerMismatchError, match=r"tokenizer\.ggml\.merges.*index 0: 'Ġ t' vs 'Ġ a'"):
+        build_engine(source, tmp_path / "engines", draft=other, progress=False)
+    assert not (tmp_path / "engines" / "tiny-model").exists()
+
+
+def test_bad_references(tmp_path):
+    with pytest.raises(ValueError, match="unknown engine name"):
+        resolve_recipe("no-such-model")
+    with pytest.raises(ValueError, match="Hugging Face directory"):
+        resolve_recipe(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        resolve_recipe(tmp_path / "missing.gguf")
+    with pytest.raises(ValueError, match="head_top_k"):
+        resolve_recipe(make_tiny_gguf(tmp_path / "t.gguf", layers=1), head_top_k=-1)
+
+
+def test_stored_draft_groups_decode_to_the_target_weights(built):
+    """Q4_1 projections are stored without loss: decoding them gives the target's fp32 weights
+    bit for bit (the same dequantization the target loader performs)."""
+    from safetensors.torch import load_file
+
+    from trtssd.models.loader import gguf_config, gguf_state_dict, read_gguf
+    from trtssd.models.quant import Int4Groups, unpack_nibbles
+
+    source, engine = built
+    g = read_gguf(source)
+    target = gguf_state_dict(g, gguf_config(g))
+    stored = load_file(str(engine / DRAFT_FILE))
+    for i in range(2):
+        for part in ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down"):
+            name = f"layers.{i}.{part}"
+            groups = Int4Groups(unpack_nibbles(stored[f"int4.{name}.codes"]),
+                                stored[f"int4.{name}.scales"].float(), stored[f"int4.{name}.mins"].float())
+            assert torch.equal(groups.dequantize(), target[f"{name}.weight"]), name
+    assert torch.equal(stored["param.embed.weight"], target["embed.weight"])

@@ -1,0 +1,323 @@
+"""TorchExecutor: the Executor protocol (trtssd/backends/base.py) on our torch Llama-family model.
+
+Memory is planned once, at start-up: weights, a preallocated KV pool of ``max_seqs`` rows x
+``max_seq_len`` slots, and scratch for the largest forward (``max_batch_tokens`` tokens of one
+sequence). A request that does not fit raises ``CapacityError``; nothing is allocated per
+sequence afterwards. Works on CPU (fp32 or bf16; linears packed for oneDNN) and on CUDA
+(plain torch ops; unverified here, no GPU).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from trtssd.backends.base import CapacityError, Chunk
+from trtssd.models.config import ModelConfig
+from trtssd.models.llama import AttentionBatch, Linear, LlamaModel
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3f} GiB"
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory on the device now: CUDA's free bytes, or the OS's MemAvailable on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_bytes(cfg: ModelConfig, dtype: torch.dtype, max_seqs: int, max_seq_len: int) -> int:
+    """Bytes of the K and V pools for every layer."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * max_seqs * cfg.num_kv_heads * max_seq_len * cfg.head_dim * itemsize
+
+
+def scratch_bytes(
+    cfg: ModelConfig, dtype: torch.dtype, tokens: int, seqs: int, queries: int, keys: int, logit_rows: int
+) -> int:
+    """Upper estimate of the transient memory of one forward: activations of ``tokens`` packed
+    tokens, attention over [seqs, heads, queries, keys] (fp32 scores and probabilities, the mask,
+    gathered and head-expanded K/V), and ``logit_rows`` rows of logits."""
+    e = torch.empty((), dtype=dtype).element_size()
+    hd = cfg.num_heads * cfg.head_dim
+    activations = tokens * (4 * cfg.hidden_size + cfg.qkv_size + 2 * hd + 3 * cfg.intermediate_size) * e
+    attention = seqs * cfg.num_heads * queries * keys * 9 + 4 * seqs * hd * keys * 4
+    logits = logit_rows * cfg.vocab_size * (e + 4)
+    return activations + attention + logits
+
+
+def _module_weight_bytes(model: LlamaModel) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    for module in model.modules():
+        if isinstance(module, Linear) and module.packed:
+            total += module._packed.numel() * module._packed.element_size()
+    return total
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The start-up memory budget and how it is spent."""
+
+    budget_bytes: int
+    weight_bytes: int
+    kv_bytes: int
+    scratch_bytes: int  # reserved for one forward of max_batch_tokens tokens of one sequence
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes + self.scratch_bytes
+
+    def check(self) -> None:
+        if self.total_bytes > self.budget_bytes:
+            raise CapacityError(f"model does not fit the memory budget: {self}")
+
+    def __str__(self) -> str:
+        return (
+            f"weights {_gib(self.weight_bytes)} + KV {_gib(self.kv_bytes)} + scratch {_gib(self.scratch_bytes)}"
+            f" = {_gib(self.total_bytes)} of budget {_gib(self.budget_bytes)}"
+        )
+
+
+@dataclass
+class _Sequence:
+    row: int  # KV pool row
+    committed: int = 0
+    written: int = 0  # one past the highest slot written so far (commit may not pass it)
+
+
+class TorchExecutor:
+    """Runs a ``LlamaModel`` for the runtime: prefill, K+1 verification, glue and tree decode."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        *,
+        max_seqs: int = 4,
+        max_seq_len: int = 2048,
+        max_batch_tokens: int | None = None,
+        memory_budget_bytes: int | None = None,
+        pack_linears: bool = True,
+    ):
+        """model: loaded, in its final dtype and device. max_seqs: KV pool rows (concurrent
+        sequences). max_seq_len: slots per row (prompt + output + region). max_batch_tokens: most
+        tokens in one forward (default max_seq_len). memory_budget_bytes: weights + KV + scratch
+        limit (default: the weights plus the device's free memory now). pack_linears: add oneDNN
+        layouts to ``Linear`` weights on CPU (faster multi-row steps; bf16 then drops the plain
+        weights, so the model becomes inference-only)."""
+        if model.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"model dtype must be one of {SUPPORTED_DTYPES}, got {model.dtype}")
+        for name, value in (("max_seqs", max_seqs), ("max_seq_len", max_seq_len)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        max_batch_tokens = max_seq_len if max_batch_tokens is None else max_batch_tokens
+        if not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be a positive int, got {max_batch_tokens!r}")
+        if max_seq_len > model.config.max_position_embeddings:
+            log.warning("max_seq_len %d exceeds the model's trained context %d",
+                        max_seq_len, model.config.max_position_embeddings)
+        self.model = model.eval()
+        self.config: ModelConfig = model.config
+        self.vocab_size = self.config.vocab_size
+        self.max_seq_len = max_seq_len
+        self.max_seqs = max_seqs
+        self.max_batch_tokens = max_batch_tokens
+        self.device = model.device
+        self.dtype = model.dtype
+        if pack_linears:
+            model.pack_linears()
+        weights = _module_weight_bytes(model)
+        self.memory = MemoryPlan(
+            budget_bytes=memory_budget_bytes if memory_budget_bytes is not None
+            else weights + available_memory_bytes(self.device),
+            weight_bytes=weights,
+            kv_bytes=kv_bytes(self.config, self.dtype, max_seqs, max_seq_len),
+            scratch_bytes=self._scratch(max_batch_tokens, 1, max_batch_tokens, max_seq_len, max_batch_tokens),
+        )
+        self.memory.check()
+        shape = (max_seqs, self.config.num_kv_heads, max_seq_len, self.config.head_dim)
+        self._kv = [
+            tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
+            for _ in range(self.config.num_layers)
+        ]
+        self._free_rows = list(range(max_seqs))
+        self._seqs: dict[int, _Sequence] = {}
+        log.info("TorchExecutor %s %s on %s: %s", self.config.arch, self.dtype, self.device, self.memory)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        max_seqs: int = 4,
+        max_seq_len: int = 2048,
+        max_batch_tokens: int | None = None,
+        memory_budget_bytes: int | None = None,
+    ) -> "TorchExecutor":
+        """Load a Hugging Face directory or a GGUF file (see trtssd.models.loader). The KV pool
+        and scratch are checked against the budget before the weights are read."""
+        from trtssd.models.loader import load_model
+
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+        device = torch.device(device)
+
+        def check_fixed_memory(cfg: ModelConfig) -> None:
+            if memory_budget_bytes is None:
+                return
+            fixed = kv_bytes(cfg, dtype, max_seqs, max_seq_len) + cls._scratch_for(
+                cfg, dtype, max_batch_tokens or max_seq_len, max_seq_len
+            )
+            if fixed > memory_budget_bytes:
+                raise CapacityError(
+                    f"KV pool and scratch alone ({_gib(fixed)}) exceed the memory budget {_gib(memory_budget_bytes)}"
+                )
+
+        model = load_model(path, dtype, before_weights=check_fixed_memory).to(device)
+        return cls(
+            model, max_seqs=max_seqs, max_seq_len=max_seq_len, max_batch_tokens=max_batch_tokens,
+            memory_budget_bytes=memory_budget_bytes,
+        )
+
+    @staticmethod
+    def _scratch_for(cfg: ModelConfig, dtype: torch.dtype, tokens: int, keys: int) -> int:
+        return scratch_bytes(cfg, dtype, tokens, 1, tokens, keys, tokens)
+
+    def _scratch(self, tokens: int, seqs: int, queries: int, keys: int, logit_rows: int) -> int:
+        return scratch_bytes(self.config, self.dtype, tokens, seqs, queries, keys, logit_rows)
+
+    # -- sequences ---------------------------------------------------------------------------
+
+    def add_sequence(self, seq_id: int) -> None:
+        if seq_id in self._seqs:
+            raise ValueError(f"seq_id {seq_id} is already active")
+        if not self._free_rows:
+            raise CapacityError(f"all {self.max_seqs} KV rows are in use (max_seqs={self.max_seqs})")
+        self._seqs[seq_id] = _Sequence(row=self._free_rows.pop(0))
+
+    def release(self, seq_id: int) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None:
+            self._free_rows.append(seq.row)
+            self._free_rows.sort()
+
+    def committed(self, seq_id: int) -> int:
+        return self._seq(seq_id).committed
+
+    def commit(self, seq_id: int, n_tokens: int) -> None:
+        seq = self._seq(seq_id)
+        if not isinstance(n_tokens, int) or n_tokens < 0:
+            raise ValueError(f"n_tokens must be a non-negative int, got {n_tokens!r}")
+        if seq.committed + n_tokens > seq.written:
+            raise ValueError(
+                f"seq {seq_id}: cannot commit {n_tokens} tokens at {seq.committed}: "
+                f"only slots < {seq.written} were written"
+            )
+        seq.committed += n_tokens
+
+    def _seq(self, seq_id: int) -> _Sequence:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise ValueError(f"unknown seq_id {seq_id}; call add_sequence first") from None
+
+    # -- forward -----------------------------------------------------------------------------
+
+    def _check_chunk(self, c: Chunk, seq: _Sequence) -> tuple[int, int]:
+        """Validate one chunk against its sequence; returns (n tokens, highest slot + 1)."""
+        where = f"chunk of seq {c.seq_id}"
+        if c.tokens.dim() != 1 or c.tokens.numel() == 0:
+            raise ValueError(f"{where}: tokens must be a non-empty 1-D tensor, got shape {tuple(c.tokens.shape)}")
+        n = c.tokens.numel()
+        if tuple(c.positions.shape) != (n,) or tuple(c.slots.shape) != (n,):
+            raise ValueError(f"{where}: positions and slots must have shape ({n},), got "
+                             f"{tuple(c.positions.shape)} and {tuple(c.slots.shape)}")
+        if c.mask.dtype != torch.bool or c.mask.dim() != 2 or c.mask.shape[0] != n or c.mask.shape[1] < 1:
+            raise ValueError(f"{where}: mask must be bool [{n}, R>=1], got {c.mask.dtype} {tuple(c.mask.shape)}")
+        region = c.mask.shape[1]
+        if seq.committed + region > self.max_seq_len:
+            raise CapacityError(
+                f"{where}: region ends at slot {seq.committed + region} > max_seq_len {self.max_seq_len}"
+            )
+        lo, hi = int(c.slots.min()), int(c.slots.max())
+        if lo < seq.committed or hi >= seq.committed + region:
+            raise ValueError(f"{where}: slots must lie in the region [{seq.committed}, {seq.committed + region}), "
+                             f"got [{lo}, {hi}]")
+        if torch.unique(c.slots).numel() != n:
+            raise ValueError(f"{where}: two tokens write the same slot")
+        if not bool(c.mask.gather(1, (c.slots - seq.committed)[:, None]).all()):
+            raise ValueError(f"{where}: every token's mask must include its own slot")
+        if int(c.positions.min()) < 0:
+            raise ValueError(f"{where}: positions must be >= 0")
+        if int(c.tokens.min()) < 0 or int(c.tokens.max()) >= self.vocab_size:
+            raise ValueError(f"{where}: token ids must be in [0, {self.vocab_size})")
+        return n, hi + 1
+
+    def forward(self, chunks: Sequence[Chunk]) -> list[torch.Tensor]:
+        if not chunks:
+            return []
+        seqs = []
+        for c in chunks:
+            seq = self._seq(c.seq_id)
+            if any(s is seq for s in seqs):
+                raise ValueError(f"seq {c.seq_id} appears in more than one chunk of this forward")
+            seqs.append(seq)
+        checked = [self._check_chunk(c, s) for c, s in zip(chunks, seqs)]
+        lens = [n for n, _ in checked]
+        total = sum(lens)
+        if total > self.max_batch_tokens:
+            raise CapacityError(f"forward of {total} tokens exceeds max_batch_tokens={self.max_batch_tokens}")
+        logit_rows = sum(1 if c.last_logits_only else n for c, n in zip(chunks, lens))
+        keys = max(s.committed + c.mask.shape[1] for c, s in zip(chunks, seqs))
+        need = self._scratch(total, len(chunks), max(lens), keys, logit_rows)
+        if need > self.memory.scratch_bytes:
+            raise CapacityError(
+                f"forward needs ~{_gib(need)} scratch, {_gib(self.memory.scratch_bytes)} reserved; split the batch"
+            )
+
+        dev = self.device
+        batch = AttentionBatch.build(
+            [s.row for s in seqs],
+            [s.committed for s in seqs],
+            [c.mask.to(dev) for c in chunks],
+            torch.cat([c.positions for c in chunks]).to(dev, torch.long),
+            torch.cat([c.slots for c in chunks]).to(dev, torch.long),
+        )
+        tokens = torch.cat([c.tokens for c in chunks]).to(dev, torch.long)
+        with torch.inference_mode():
+            hidden = self.model(tokens, batch, self._kv)
+            if logit_rows < total:
+                ends = torch.tensor(lens).cumsum(0)
+                pick = [torch.arange(e - n, e) if not c.last_logits_only else (e - 1).view(1)
+                        for c, n, e in zip(chunks, lens, ends)]
+                hidden = hidden.index_select(0, torch.cat(pick).to(dev))
+            logits = self.model.logits(hidden).float()
+        for seq, (_, end) in zip(seqs, checked):
+            seq.written = max(seq.written, end)
+        sizes = [1 if c.last_logits_only else n for c, n in zip(chunks, lens)]
+        return list(logits.split(sizes))

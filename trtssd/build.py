@@ -1,0 +1,514 @@
+"""Engine directories: a target and a draft model, prepared once, loaded fast by each rank.
+
+``build_engine`` turns a model reference (a registered name such as the default "smollm2-135m",
+or a path to a GGUF file) into ``<out_dir>/<name>/``::
+
+    manifest.json           what was built, from what, how (format below)
+    target/model.gguf       the target's GGUF, as given (hard link or copy); the torch backend
+                            dequantizes it to fp32 at load time
+    draft/model.safetensors the quantized self-draft: 4-bit groups of every projection
+                            (``int4.<linear>.codes|scales|mins``) and the remaining fp32
+                            parameters (``param.<name>``: embedding, norms, biases)
+    tokenizer/              the Hugging Face tokenizer rebuilt from the target's GGUF metadata
+
+The draft is the target's own Q4_1 weights run by torch's int4 kernel (trtssd.models.quant);
+see docs/draft.md for why. Building is idempotent: when manifest.json records the same inputs
+(source hashes, options, format and build-code hashes) and the outputs still hash as recorded,
+nothing is done. The target and draft tokenizers must be identical (vocabulary, token types,
+merges, special tokens), else ``TokenizerMismatchError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from trtssd.models.config import ModelConfig, RopeConfig
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1  # bump when the directory layout or a stored tensor's meaning changes
+DEFAULT_ENGINE = "smollm2-135m"  # the embedded default: SmolLM2-135M-Instruct, Q4_1 GGUF
+DEFAULT_HEAD_TOP_K = 16  # draft logits re-scored exactly in fp32 (docs/draft.md: agreement 0.90 -> ~1.0)
+MANIFEST = "manifest.json"
+TARGET_FILE = "target/model.gguf"
+DRAFT_FILE = "draft/model.safetensors"
+TOKENIZER_DIR = "tokenizer"
+# Code whose change alters what a build produces: its hash is part of the no-op check.
+_BUILD_CODE = ("build.py", "models/quant.py", "models/loader.py")
+_TOKENIZER_KEYS = (
+    "tokenizer.ggml.model",
+    "tokenizer.ggml.pre",
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.bos_token_id",
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.unknown_token_id",
+    "tokenizer.ggml.padding_token_id",
+    "tokenizer.ggml.add_bos_token",
+    "tokenizer.ggml.add_eos_token",
+    "tokenizer.ggml.add_space_prefix",
+)
+
+
+class TokenizerMismatchError(ValueError):
+    """Target and draft do not tokenize identically, so draft tokens would mean other text."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What an engine is built from."""
+
+    name: str  # engine directory name under out_dir
+    target: Path  # GGUF file of the target model
+    draft: Path  # GGUF file whose weights become the int4 draft (the target itself: self-draft)
+    head_top_k: int = DEFAULT_HEAD_TOP_K  # draft output rows re-scored in fp32 (0 = none)
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name or self.name.startswith("."):
+            raise ValueError(f"engine name must be a plain directory name, got {self.name!r}")
+        if not isinstance(self.head_top_k, int) or self.head_top_k < 0:
+            raise ValueError(f"head_top_k must be a non-negative int, got {self.head_top_k!r}")
+
+
+@dataclass(frozen=True)
+class LoadedEngine:
+    """Both sides of an engine, loaded in one process (benchmarks, tests; the runtime loads each
+    side in its own rank with ``load_side``)."""
+
+    target: Any  # TorchExecutor, fp32
+    draft: Any  # TorchExecutor over the int4 model
+    tokenizer: Any  # transformers tokenizer, or None for tokenizer-less test models
+    manifest: dict
+
+
+# -- references ------------------------------------------------------------------------------
+
+
+def _registered_source(name: str) -> Path:
+    if name == DEFAULT_ENGINE:
+        from trtssd.models.smollm2 import ensure_smollm2_gguf
+
+        return ensure_smollm2_gguf()
+    raise ValueError(f"unknown engine name {name!r}; known: {DEFAULT_ENGINE!r}, or give a path to a .gguf file")
+
+
+def resolve_recipe(
+    name_or_ref: str | os.PathLike = DEFAULT_ENGINE,
+    *,
+    draft: str | os.PathLike | None = None,
+    name: str | None = None,
+    head_top_k: int = DEFAULT_HEAD_TOP_K,
+) -> Recipe:
+    """A registered engine name or a GGUF path → Recipe. ``draft``: another GGUF to quantize as
+    the draft instead of the target itself. ``name``: engine directory name (default: the
+    registered name or the GGUF file's stem, lower-cased)."""
+    ref = str(name_or_ref)
+    if ref.endswith(".gguf"):
+        target = Path(ref).expanduser().resolve()
+        if not target.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {target}")
+        default_name = target.stem.lower()
+    elif Path(ref).is_dir():
+        raise ValueError(f"{ref}: building from a Hugging Face directory is not supported; give a .gguf file or {DEFAULT_ENGINE!r}")
+    else:
+        target = _registered_source(ref)
+        default_name = ref
+    draft_path = target if draft is None else Path(draft).expanduser().resolve()
+    if draft is not None and (draft_path.suffix != ".gguf" or not draft_path.is_file()):
+        raise FileNotFoundError(f"draft must be an existing .gguf file, got {draft_path}")
+    return Recipe(name or default_name, target, draft_path, head_top_k)
+
+
+def default_engines_dir() -> Path:
+    """``engines/`` of the source checkout when trtssd runs from one, else ~/.cache/trtssd/engines."""
+    root = Path(__file__).resolve().parent.parent
+    if (root / "pyproject.toml").is_file() and (root / "engines").is_dir():
+        return root / "engines"
+    return Path.home() / ".cache" / "trtssd" / "engines"
+
+
+def default_engine(out_dir: str | os.PathLike | None = None) -> Path:
+    """The default engine directory, built on first use."""
+    return build_engine(DEFAULT_ENGINE, out_dir)
+
+
+# -- hashing and tokenizer identity ----------------------------------------------------------
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _code_hashes() -> dict[str, str]:
+    pkg = Path(__file__).resolve().parent
+    return {f"trtssd/{rel}": file_sha256(pkg / rel) for rel in _BUILD_CODE}
+
+
+def gguf_tokenizer_fields(path: Path) -> dict[str, Any]:
+    """The tokenizer-defining metadata of a GGUF file (absent keys are left out)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+    out = {}
+    for key in _TOKENIZER_KEYS:
+        if key in fields:
+            value = fields[key].contents()
+            out[key] = list(value) if isinstance(value, (list, tuple)) else value
+    return out
+
+
+def _first_difference(a: Any, b: Any) -> str:
+    if isinstance(a, list) and isinstance(b, list):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return f"first difference at index {i}: {x!r} vs {y!r}"
+        return f"lengths {len(a)} vs {len(b)}"
+    return f"{a!r} vs {b!r}"
+
+
+def check_same_tokenizer(target: Mapping[str, Any], draft: Mapping[str, Any], target_name: str, draft_name: str) -> None:
+    """Raise TokenizerMismatchError naming the first field that differs."""
+    for key in _TOKENIZER_KEYS:
+        a, b = target.get(key), draft.get(key)
+        if a != b:
+            raise TokenizerMismatchError(
+                f"tokenizers of target {target_name} and draft {draft_name} differ in {key}: "
+                f"{_first_difference(a, b)}. A draft must use exactly the target's tokenizer."
+            )
+
+
+def tokenizer_sha256(fields: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+# -- config <-> json ---------------------------------------------------------------------------
+
+
+def config_to_json(cfg: ModelConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def config_from_json(data: Mapping[str, Any]) -> ModelConfig:
+    data = dict(data)
+    rope = dict(data.pop("rope"))
+    if rope.get("freq_divisors") is not None:
+        rope["freq_divisors"] = tuple(rope["freq_divisors"])
+    data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
+    return ModelConfig(rope=RopeConfig(**rope), **data)
+
+
+# -- the draft file ----------------------------------------------------------------------------
+
+
+def _plain_params(gguf, cfg: ModelConfig, linear_names: set[str]) -> dict[str, torch.Tensor]:
+    """fp32 parameters that are not 4-bit projections: embedding, norms, biases, and an untied
+    lm_head's exact weight (the draft head re-scores its top candidates with it)."""
+    from trtssd.models.loader import GGUFTensor, gguf_sources, unpermute_rows
+
+    out = {}
+    for param, sources in gguf_sources(cfg).items():
+        module = param.rpartition(".")[0]
+        if module in linear_names and param.endswith(".weight") and module != "lm_head":
+            continue
+        parts = []
+        for src in sources:
+            if src.name not in gguf.tensors:
+                raise ValueError(f"{gguf.path}: GGUF tensor {src.name!r} is missing")
+            t = gguf.tensors[src.name]
+            if src.unpermute_heads is not None:
+                t = GGUFTensor(t.name, t.qtype, t.shape, unpermute_rows(t.data, src.unpermute_heads))
+            parts.append(t.dequantize())
+        out[param] = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out
+
+
+def _write_draft(source: Path, dest: Path, progress: bool) -> dict:
+    """Quantize ``source`` (GGUF) into the draft safetensors; returns the manifest's draft notes."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    from trtssd.models.loader import gguf_config, read_gguf
+    from trtssd.models.quant import gguf_linear_groups, pack_nibbles
+
+    gguf = read_gguf(source)
+    cfg = gguf_config(gguf)
+    tensors: dict[str, torch.Tensor] = {}
+    exact, requantized = [], []
+    linears = gguf_linear_groups(gguf, cfg)
+    total = 4 * cfg.num_layers + 1
+    for name, groups, is_exact in tqdm(linears, total=total, desc="int4 draft", unit="proj", disable=not progress):
+        for part, value in (("scales", groups.scales), ("mins", groups.mins)):
+            half = value.half()
+            if not torch.equal(half.float(), value):  # Q4_1 and our rule both keep fp16 values
+                raise AssertionError(f"{name}.{part} is not fp16-exact")
+            tensors[f"int4.{name}.{part}"] = half
+        tensors[f"int4.{name}.codes"] = pack_nibbles(groups.codes)
+        (exact if is_exact else requantized).append(name)
+    for param, value in _plain_params(gguf, cfg, set(exact) | set(requantized)).items():
+        tensors[f"param.{param}"] = value.contiguous()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(dest), metadata={"format_version": str(FORMAT_VERSION)})
+    if requantized:
+        log.info("draft: %d projections re-quantized to 4 bits (not Q4_1 in the GGUF): %s", len(requantized), requantized)
+    return {
+        "config": config_to_json(cfg),
+        "projections_exact_from_q4_1": len(exact),
+        "projections_requantized": requantized,
+    }
+
+
+def load_draft_model(engine_dir: str | os.PathLike, manifest: Mapping[str, Any] | None = None):
+    """The draft ``LlamaModel`` with Int4Linear projections, from an engine directory."""
+    from safetensors.torch import load_file
+
+    from trtssd.models.llama import LlamaModel
+    from trtssd.models.quant import Int4Groups, quantize_linears, unpack_nibbles
+
+    engine_dir = Path(engine_dir)
+    manifest = manifest if manifest is not None else load_manifest(engine_dir)
+    draft = manifest["draft"]
+    cfg = config_from_json(draft["config"])
+    stored = load_file(str(engine_dir / draft["path"]))
+    model = LlamaModel(cfg)
+    groups = {}
+    for name, _ in model.linears():
+        try:
+            groups[name] = Int4Groups(
+                unpack_nibbles(stored[f"int4.{name}.codes"]),
+                stored[f"int4.{name}.scales"].float(),
+                stored[f"int4.{name}.mins"].float(),
+            )
+        except KeyError as err:
+            raise ValueError(f"{engine_dir / draft['path']}: missing tensor {err}; rebuild the engine") from None
+    quantize_linears(model, groups, head_top_k=draft["head_top_k"])
+    model.load_weights({k[len("param."):]: v for k, v in stored.items() if k.startswith("param.")})
+    return model.eval()
+
+
+# -- build ------------------------------------------------------------------------------------
+
+
+def load_manifest(engine_dir: str | os.PathLike) -> dict:
+    path = Path(engine_dir) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{engine_dir} is not an engine directory (no {MANIFEST}); build one with `trtssd build`")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path}: engine format_version {manifest.get('format_version')!r}, this trtssd reads {FORMAT_VERSION}; rebuild it"
+        )
+    return manifest
+
+
+def _fingerprint(recipe: Recipe, target_sha: str, draft_sha: str) -> dict:
+    return {
+        "format_version": FORMAT_VERSION,
+        "target_sha256": target_sha,
+        "draft_source_sha256": draft_sha,
+        "head_top_k": recipe.head_top_k,
+        "code_sha256": _code_hashes(),
+    }
+
+
+def _up_to_date(engine: Path, fingerprint: dict) -> bool:
+    try:
+        manifest = json.loads((engine / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    if manifest.get("build", {}).get("fingerprint") != fingerprint:
+        return False
+    outputs = manifest["build"].get("outputs", {})
+    return bool(outputs) and all(
+        (engine / rel).is_file() and file_sha256(engine / rel) == sha for rel, sha in outputs.items()
+    )
+
+
+def _link_or_copy(src: Path, dest: Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copyfile(src, dest)
+
+
+def build_engine(
+    name_or_ref: str | os.PathLike = DEFAULT_ENGINE,
+    out_dir: str | os.PathLike | None = None,
+    *,
+    draft: str | os.PathLike | None = None,
+    name: str | None = None,
+    head_top_k: int = DEFAULT_HEAD_TOP_K,
+    force: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Build (or find up to date) the engine ``<out_dir>/<name>``; returns its path.
+
+    name_or_ref: "smollm2-135m" (fetched into the cache on first use) or a .gguf path.
+    out_dir: engines directory (default ``default_engines_dir()``). draft: a different GGUF to
+    quantize as the draft (default: the target itself). force: rebuild even when up to date.
+    """
+    start = time.perf_counter()
+    recipe = resolve_recipe(name_or_ref, draft=draft, name=name, head_top_k=head_top_k)
+    out = Path(out_dir) if out_dir is not None else default_engines_dir()
+    engine = out / recipe.name
+    target_sha = file_sha256(recipe.target)
+    draft_sha = target_sha if recipe.draft == recipe.target else file_sha256(recipe.draft)
+    fingerprint = _fingerprint(recipe, target_sha, draft_sha)
+    if not force and _up_to_date(engine, fingerprint):
+        log.info("engine %s is up to date", engine)
+        return engine
+    if engine.exists() and not (engine / MANIFEST).is_file() and any(engine.iterdir()):
+        raise ValueError(f"{engine} exists and is not an engine directory; choose another name or out_dir")
+
+    target_tok = gguf_tokenizer_fields(recipe.target)
+    draft_tok = target_tok if recipe.draft == recipe.target else gguf_tokenizer_fields(recipe.draft)
+    check_same_tokenizer(target_tok, draft_tok, str(recipe.target), str(recipe.draft))
+
+    out.mkdir(parents=True, exist_ok=True)
+    # Built in a staging directory and moved into place: a failed build leaves no half engine.
+    stage = Path(tempfile.mkdtemp(dir=out, prefix=f".{recipe.name}.build-"))
+    try:
+        log.info("building engine %s from %s (draft from %s)", recipe.name, recipe.target, recipe.draft)
+        _link_or_copy(recipe.target, stage / TARGET_FILE)
+        draft_notes = _write_draft(recipe.draft, stage / DRAFT_FILE, progress)
+        tokenizer = _save_tokenizer(recipe.target, target_tok, stage)
+        manifest = _manifest(recipe, fingerprint, draft_notes, tokenizer, stage)
+        manifest["build"]["seconds"] = round(time.perf_counter() - start, 2)
+        (stage / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        _make_readable(stage)
+        if engine.exists():
+            shutil.rmtree(engine)
+        os.replace(stage, engine)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    log.info("built engine %s in %.1f s", engine, time.perf_counter() - start)
+    return engine
+
+
+def _make_readable(root: Path) -> None:
+    """mkdtemp and some writers create owner-only modes; an engine is shared read-only data."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [root, *root.rglob("*")]:
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def _save_tokenizer(source: Path, fields: Mapping[str, Any], stage: Path) -> dict | None:
+    """Save the Hugging Face tokenizer rebuilt from the GGUF (None when the GGUF has none)."""
+    if "tokenizer.ggml.tokens" not in fields:
+        return None
+    from trtssd.models.tokenizer import load_tokenizer
+
+    load_tokenizer(source).save_pretrained(str(stage / TOKENIZER_DIR))
+    return {
+        "path": TOKENIZER_DIR,
+        "source": "target GGUF metadata",
+        "vocab_size": len(fields["tokenizer.ggml.tokens"]),
+        "num_merges": len(fields.get("tokenizer.ggml.merges", [])),
+        "fields_sha256": tokenizer_sha256(fields),
+        "draft_checked_identical": True,
+    }
+
+
+def _manifest(recipe: Recipe, fingerprint: dict, draft_notes: dict, tokenizer: dict | None, stage: Path) -> dict:
+    from importlib.metadata import version
+
+    import trtssd
+
+    cfg = draft_notes.pop("config")
+    target_cfg = _target_config(recipe.target)
+    return {
+        "format_version": FORMAT_VERSION,
+        "name": recipe.name,
+        "architecture": config_to_json(target_cfg),
+        "tokenizer": tokenizer,
+        "target": {
+            "backend": "torch",
+            "path": TARGET_FILE,
+            "format": "gguf",
+            "dtype": "float32",
+            "weights": "GGUF blocks dequantized to fp32 at load time",
+        },
+        "draft": {
+            "backend": "torch-int4",
+            "path": DRAFT_FILE,
+            "format": "safetensors",
+            "dtype": "float32 activations, KV, norms and attention; bfloat16 inside int4 projections",
+            "projections": "int4 weight-only, 32-wide groups with scale and zero, aten._weight_int4pack_mm_for_cpu",
+            "lm_head": f"int4, top-{recipe.head_top_k} rows re-scored in fp32",
+            "head_top_k": recipe.head_top_k,
+            "config": cfg,
+            **draft_notes,
+        },
+        "build": {
+            "recipe": {"name": recipe.name, "target": str(recipe.target), "draft": str(recipe.draft)},
+            "fingerprint": fingerprint,
+            "outputs": {rel: file_sha256(stage / rel) for rel in (TARGET_FILE, DRAFT_FILE)},
+            "versions": {"trtssd": trtssd.__version__, "torch": torch.__version__, "gguf": version("gguf")},
+            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        },
+    }
+
+
+def _target_config(path: Path) -> ModelConfig:
+    from trtssd.models.loader import load_config
+
+    return load_config(path)
+
+
+# -- load -------------------------------------------------------------------------------------
+
+
+def load_side(engine_dir: str | os.PathLike, side: str, *, max_seqs: int = 4, max_seq_len: int = 2048, **executor_options):
+    """One side's executor ("target": fp32 TorchExecutor; "draft": the int4 TorchExecutor)."""
+    from trtssd.backends.torch_backend import TorchExecutor
+
+    engine_dir = Path(engine_dir)
+    manifest = load_manifest(engine_dir)
+    if side == "target":
+        return TorchExecutor.from_pretrained(
+            engine_dir / manifest["target"]["path"], max_seqs=max_seqs, max_seq_len=max_seq_len, **executor_options
+        )
+    if side == "draft":
+        return TorchExecutor(load_draft_model(engine_dir, manifest), max_seqs=max_seqs, max_seq_len=max_seq_len, **executor_options)
+    raise ValueError(f"side must be 'target' or 'draft', got {side!r}")
+
+
+def load_engine_tokenizer(engine_dir: str | os.PathLike):
+    """The engine's Hugging Face tokenizer, or None when its model has none (tiny test models)."""
+    engine_dir = Path(engine_dir)
+    tokenizer = load_manifest(engine_dir)["tokenizer"]
+    if tokenizer is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(engine_dir / tokenizer["path"]))
+
+
+def load_engine(engine_dir: str | os.PathLike, *, max_seqs: int = 4, max_seq_len: int = 2048) -> LoadedEngine:
+    """Target executor, draft executor, tokenizer and manifest of an engine directory."""
+    engine_dir = Path(engine_dir)
+    return LoadedEngine(
+        target=load_side(engine_dir, "target", max_seqs=max_seqs, max_seq_len=max_seq_len),
+        draft=load_side(engine_dir, "draft", max_seqs=max_seqs, max_seq_len=max_seq_len),
+        tokenizer=load_engine_tokenizer(engine_dir),
+        manifest=load_manifest(engine_dir),
+    )

@@ -1,4 +1,4 @@
-"""Command line: trtssd generate | build."""
+"""Command line: trtssd generate | build | bench | plan."""
 
 from __future__ import annotations
 
@@ -57,6 +57,12 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # bench and plan own their argument parsers
+    if argv and argv[0] in ("bench", "plan"):
+        import importlib
+
+        return importlib.import_module(f"trtssd.{argv[0]}").main(argv[1:]) or 0
     parser = argparse.ArgumentParser(prog="trtssd", description="speculative speculative decoding runtime")
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)

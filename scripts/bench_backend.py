@@ -17,6 +17,7 @@ Writes JSON (``--out``) and a markdown table next to it (same name, .md).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import platform
@@ -85,13 +86,19 @@ def our_step(ex: TorchExecutor, shape: Shape, context: int) -> Callable[[], obje
     return lambda: ex.forward([chunk])
 
 
+def cache_kwarg(model) -> str:
+    """transformers 5.x renamed ``past_key_values`` to ``cache``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def hf_step(model, cache, shape: Shape, context: int) -> Callable[[], object]:
     ids = torch.arange(11, 11 + shape.tokens)[None]
     positions = torch.arange(context, context + shape.tokens)[None]
+    kwargs = {cache_kwarg(model): cache}
 
     def step():
         with torch.no_grad():
-            out = model(ids, past_key_values=cache, position_ids=positions, use_cache=True)
+            out = model(ids, position_ids=positions, use_cache=True, **kwargs)
         cache.crop(-shape.tokens)  # back to the context: every call sees the same shape
         return out
 
@@ -127,7 +134,7 @@ def bench_dtype(path: Path, dtype_name: str, context: int, reps: int, prefill_re
     ex.commit(0, context)
     cache = DynamicCache(config=hf.config)
     with torch.no_grad():
-        hf(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+        hf(torch.tensor([prompt]), use_cache=True, **{cache_kwarg(hf): cache})
 
     def hf_prefill():
         with torch.no_grad():

@@ -11,7 +11,8 @@ prompts and chat questions):
   run of agreeing positions, capped at K, plus the target's bonus token);
 - the same agreement with the draft head's fp32 re-scoring set to other top-k (0 = pure int4),
   teacher-forced in one pass;
-- the cost of one forward of n tokens at once (verification / tree steps), draft and target.
+- the cost of one forward of n tokens at once (verification / tree steps), draft and target;
+- where a decode step's time goes: each kind of projection versus everything else.
 
 Usage (1 thread, ~5 minutes on an idle core):
     .venv/bin/python scripts/bench_draft.py --out docs/draft_results.json
@@ -23,6 +24,7 @@ import argparse
 import gzip
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -169,6 +171,49 @@ def batched_cost(target, draft, context: list[int], sizes: list[int], repeats: i
     return out
 
 
+class _TimedProjection(torch.nn.Module):
+    """Wraps one projection and adds its thread-CPU time to ``totals[kind]``."""
+
+    def __init__(self, module: torch.nn.Module, kind: str, totals: dict[str, float]):
+        super().__init__()
+        self.inner, self.kind, self.totals = module, kind, totals
+        self.in_features, self.out_features = module.in_features, module.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        start = time.thread_time()
+        y = self.inner(x)
+        self.totals[self.kind] += (time.thread_time() - start) * 1e3
+        return y
+
+
+def step_breakdown(executor, context: list[int], steps: int = 10) -> dict[str, float]:
+    """Thread-CPU ms per single-token decode step spent in each kind of projection (qkv, o,
+    gate_up, down, lm_head) and in everything else (norms, RoPE, attention, executor)."""
+    model = executor.model
+    originals = dict(model.linears())
+    totals = {name.rsplit(".", 1)[-1]: 0.0 for name in originals}
+    executor.add_sequence(0)
+    try:
+        for name, module in originals.items():
+            model.set_linear(name, _TimedProjection(module, name.rsplit(".", 1)[-1], totals))
+        executor.forward([chain_chunk(0, context, 0, last_logits_only=True)])
+        executor.commit(0, len(context))
+        for key in totals:
+            totals[key] = 0.0
+        start = time.thread_time()
+        for _ in range(steps):
+            executor.forward([chain_chunk(0, [100], len(context))])
+        total = (time.thread_time() - start) * 1e3 / steps
+    finally:
+        for name, module in originals.items():
+            model.set_linear(name, module)
+        executor.release(0)
+    out = {kind: round(ms / steps, 2) for kind, ms in totals.items()}
+    out["other"] = round(total - sum(out.values()), 2)
+    out["step"] = round(total, 2)
+    return out
+
+
 def summarize(results: list[PromptResult]) -> dict:
     def med(key: str) -> float:
         return statistics.median(v for r in results for v in getattr(r, key))
@@ -231,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             "chat": chat_prompts(tokenizer, args.chat, args.chat_file)}
 
     started = time.perf_counter()
+    load_before = os.getloadavg()
     results: dict[str, list[PromptResult]] = {}
     for name, prompts in sets.items():
         if not prompts:
@@ -246,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     ablation = head_ablation(engine.draft, everything, args.head_top_k)
     context = list(everything[0].prompt.ids)[:200]
     batched = batched_cost(engine.target, engine.draft, context, [1, 2, 4, 6, 8, 12])
+    breakdown = {name: step_breakdown(ex, context) for name, ex in (("target", engine.target), ("draft", engine.draft))}
 
     report = {
         "command": "scripts/bench_draft.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -256,14 +303,19 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary,
         "agreement_by_head_top_k_teacher_forced": ablation,
         "forward_cpu_ms_by_tokens": batched,
+        "decode_step_breakdown_cpu_ms": breakdown,
         "seconds": round(time.perf_counter() - started, 1),
+        # Other processes on the machine inflate every time here (the draft's and the target's
+        # alike, but not equally); the 1-minute load average before and after says how busy it was.
+        "load_average_1min": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+        "cpu_count": os.cpu_count(),
         "per_prompt": [
             {"set": r.prompt.kind, "name": r.prompt.name, "prompt_tokens": len(r.prompt.ids), "agree": [int(a) for a in r.agree]}
             for r in everything
         ],
     }
-    log.info("results:\n%s\nhead top-k ablation: %s\nforward cost by tokens (cpu ms): %s",
-             markdown(summary), ablation, batched)
+    log.info("results:\n%s\nhead top-k ablation: %s\nforward cost by tokens (cpu ms): %s\nstep breakdown: %s",
+             markdown(summary), ablation, batched, breakdown)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -101,6 +101,11 @@ def test_record_from_emissions():
     rec = bench._record("p", [1, 2, 3], [5, 6, 7, 8], "length", [(10.0, 0), (10.5, 1), (10.7, 0), (11.5, 3)])
     assert rec.ttft_s == pytest.approx(0.5) and rec.e2e_s == pytest.approx(1.5)
     assert rec.token_latencies_s == pytest.approx((1 / 3, 1 / 3, 1 / 3)) and rec.prompt_tokens == 3
+    assert rec.deliveries == 2 and rec.first_delivery_tokens == 1
+    first_round = bench._record("p", [1], list(range(7)), "length", [(0.0, 0), (1.0, 4), (1.5, 3)])
+    assert first_round.first_delivery_tokens == 4 and first_round.token_latencies_s == pytest.approx((0.5 / 3,) * 3)
+    s = summarize([BatchRecord((first_round,), 1.5, 1.0)], None)
+    assert s["decode_tokens_per_s"] == pytest.approx(3 / 0.5)  # the 4 tokens of the first delivery excluded
     with pytest.raises(RuntimeError, match="no tokens"):
         bench._record("p", [1], [], "length", [(0.0, 0)])
 
@@ -114,7 +119,8 @@ def test_percentile_interpolates_linearly():
 
 
 def _req(pid: str, n: int, ttft: float, lat: float, out=None) -> RequestRecord:
-    return RequestRecord(pid, 5, tuple(out or range(n)), "length", ttft, ttft + lat * (n - 1), (lat,) * (n - 1))
+    return RequestRecord(pid, 5, tuple(out or range(n)), "length", ttft, ttft + lat * (n - 1), (lat,) * (n - 1),
+                         deliveries=n // 2)
 
 
 def test_summarize_throughput_latency_and_spec_metrics():
@@ -134,7 +140,9 @@ def test_summarize_throughput_latency_and_spec_metrics():
     assert s["mean_acceptance_length"] == pytest.approx(3.0)
     assert s["acceptance_rate_per_position"] == [1.0, 0.5, 0.5]
     assert s["cache_hit_rate"] == 0.5 and s["overlap_efficiency"] == 0.75
+    assert s["tokens_per_delivery"] == pytest.approx(16 / 7, abs=1e-4)  # 2 + 5 deliveries
     assert "mean_acceptance_length" not in summarize(batches, None)
+    assert "mean_acceptance_length" not in summarize(batches, SpecMetrics())  # ar: no rounds
 
 
 # --- sweep planning and configuration ------------------------------------------------------------

@@ -117,7 +117,7 @@ def test_rebuild_is_a_noop_unless_inputs_change(built, caplog):
     assert (engine / MANIFEST).stat().st_mtime_ns != before
     assert draft.read_bytes() == good
     assert json.loads((engine / MANIFEST).read_text())["build"]["outputs"][DRAFT_FILE] == file_sha256(draft)
-    assert not [p for p in engine.parent.iterdir() if p.name.startswith(".")]  # no staging left behind
+    assert not [p for p in engine.parent.iterdir() if ".build-" in p.name]  # no staging left behind
 
 
 def test_loaded_draft_agrees_with_target(built):
@@ -148,7 +148,7 @@ def test_tokenizer_mismatch_is_refused(built, tmp_path):
 
 
 def test_bad_references(tmp_path):
-    with pytest.raises(ValueError, match="unknown engine name"):
+    with pytest.raises(ValueError, match="unknown engine name 'no-such-model'"):
         resolve_recipe("no-such-model")
     with pytest.raises(ValueError, match="Hugging Face directory"):
         resolve_recipe(tmp_path)
@@ -177,3 +177,13 @@ def test_stored_draft_groups_decode_to_the_target_weights(built):
                                 stored[f"int4.{name}.scales"].float(), stored[f"int4.{name}.mins"].float())
             assert torch.equal(groups.dequantize(), target[f"{name}.weight"]), name
     assert torch.equal(stored["param.embed.weight"], target["embed.weight"])
+
+
+def test_concurrent_builds_build_once(tmp_path, caplog):
+    from concurrent.futures import ThreadPoolExecutor
+
+    source = make_tiny_gguf(tmp_path / "c.gguf", layers=1)
+    with caplog.at_level(logging.INFO, logger="trtssd.build"), ThreadPoolExecutor(2) as pool:
+        paths = list(pool.map(lambda _: build_engine(source, tmp_path / "engines", progress=False), range(2)))
+    assert paths[0] == paths[1] and (paths[0] / MANIFEST).is_file()
+    assert caplog.text.count("building engine") == 1  # the other call waited, then found it built

@@ -176,6 +176,8 @@ def test_bad_input_is_refused(setup):
     ex = new_executor(directory)
     prefill(ex, 0, rand_tokens(5, 17))
     t = torch.tensor([1, 2])
+    with pytest.raises(ValueError, match="only slots < 5 were written"):
+        ex.commit(0, 1)
     with pytest.raises(ValueError, match="unknown seq_id 9"):
         ex.forward([chain_chunk(9, [1], 0)])
     with pytest.raises(ValueError, match="slots must lie in the region"):
@@ -189,13 +191,34 @@ def test_bad_input_is_refused(setup):
         ex.forward([chain_chunk(0, [VOCAB], 5)])
     with pytest.raises(ValueError, match="more than one chunk"):
         ex.forward([chain_chunk(0, [1], 5), chain_chunk(0, [2], 6)])
+    # int32 ids are accepted like int64; float ids are refused
+    ours = ex.forward([Chunk(0, t.int(), torch.tensor([5, 6], dtype=torch.int32), torch.tensor([5, 6]).int(),
+                             torch.ones(2, 2, dtype=torch.bool).tril())])[0]
+    assert close(ours, ex.forward([chain_chunk(0, [1, 2], 5)])[0])
+    with pytest.raises(ValueError, match="tokens must be an integer tensor"):
+        ex.forward([Chunk(0, t.float(), torch.tensor([5, 6]), torch.tensor([5, 6]), torch.ones(2, 2, dtype=torch.bool))])
     with pytest.raises(ValueError, match="mask must be bool"):
         ex.forward([Chunk(0, t, torch.tensor([5, 6]), torch.tensor([5, 6]), torch.ones(2, 2))])
-    with pytest.raises(ValueError, match="only slots < 5 were written"):
-        ex.commit(0, 1)
     with pytest.raises(ValueError, match="already active"):
         ex.add_sequence(0)
     with pytest.raises(ValueError, match="max_seqs"):
         new_executor(directory, max_seqs=0)
     with pytest.raises(ValueError, match="dtype"):
         new_executor(directory, dtype=torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_executor_matches_transformers(setup):
+    hf, directory = setup
+    ex = new_executor(directory, device="cuda")
+    prompt, glue = rand_tokens(10, 20), rand_tokens(3, 21)
+    prefill(ex, 0, prompt)
+    n = len(prompt)
+    verify = ex.forward([chain_chunk(0, glue, n)])[0]
+    assert verify.device.type == "cuda"
+    assert (verify.cpu() - hf_logits(hf, prompt + glue)[n:]).abs().max() < 1e-3
+    branches = [(0, [11]), (2, [12])]
+    tree = ex.forward([tree_chunk(0, n, len(glue), branches, 0, [11, 12])])[0].cpu()
+    for i, (j, toks) in enumerate(branches):
+        assert (tree[i] - hf_logits(hf, prompt + glue[: j + 1] + toks)[-1]).abs().max() < 1e-3

@@ -195,12 +195,13 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(hf, path: Path, quantize: bool) -> None:
-    """The tiny model as a llama-architecture GGUF, the way llama.cpp's converter lays it out
-    (Q4_1 for the big matrices when ``quantize``)."""
+    """The tiny model as a GGUF, the way llama.cpp's converter lays it out (q/k rows interleaved
+    for the llama architecture only; Q4_1 for the big matrices when ``quantize``)."""
     import gguf
 
     cfg = hf.config
-    w = gguf.GGUFWriter(str(path), "llama")
+    arch = cfg.model_type
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -228,12 +229,12 @@ def write_gguf(hf, path: Path, quantize: bool) -> None:
                 continue
             gname = "output.weight"
         else:
-            parts = name.split(".")  # model.layers.{i}.{self_attn|mlp}.{x}.weight or model.layers.{i}.{norm}.weight
+            parts = name.split(".")  # model.layers.{i}[.self_attn|.mlp].{x}.{weight|bias}
             key = parts[-2]
-            gname = f"blk.{parts[2]}.{names[key]}.weight"
-            if key == "q_proj":
+            gname = f"blk.{parts[2]}.{names[key]}.{parts[-1]}"
+            if arch == "llama" and key == "q_proj":
                 a = llama_cpp_permute(a, cfg.num_attention_heads)
-            elif key == "k_proj":
+            elif arch == "llama" and key == "k_proj":
                 a = llama_cpp_permute(a, cfg.num_key_value_heads)
         if quantize and a.ndim == 2:
             w.add_tensor(gname, gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q4_1),
@@ -246,9 +247,9 @@ def write_gguf(hf, path: Path, quantize: bool) -> None:
     w.close()
 
 
-@pytest.mark.parametrize("quantize", [False, True])
-def test_gguf_llama_matches_transformers_gguf_loader(tmp_path, quantize):
-    hf = transformers.AutoModelForCausalLM.from_config(TINY_CONFIGS["smollm2"](), dtype=torch.float32)
+@pytest.mark.parametrize("kind,quantize", [("smollm2", False), ("smollm2", True), ("qwen2", True)])
+def test_gguf_matches_transformers_gguf_loader(tmp_path, kind, quantize):
+    hf = transformers.AutoModelForCausalLM.from_config(TINY_CONFIGS[kind](), dtype=torch.float32)
     randomize(hf, seed=3)
     gguf_path = tmp_path / "tiny.gguf"
     write_gguf(hf, gguf_path, quantize)

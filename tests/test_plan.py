@@ -145,6 +145,14 @@ def test_limits_ssd_over_sd_bound_and_e_per_verify():
         assert ssd.tokens_per_s == pytest.approx(expected_tokens(0.8, k))
 
 
+def test_ssd_overlaps_the_target_host_overhead_with_drafting():
+    w = Workload(0.5, hit_rate=1.0)
+    hidden = predict_ssd(unit_timings(0.1, overhead_s=0.2, handshake_s=0.05), w, k=2, budget=4)
+    assert hidden.round_time_s == pytest.approx(0.05 + 1.2) and hidden.draft_fits  # T_p 0.3 < 1.2
+    bound = predict_ssd(unit_timings(0.5, overhead_s=0.2, handshake_s=0.05), w, k=2, budget=4)
+    assert bound.round_time_s == pytest.approx(0.05 + 1.5) and not bound.draft_fits  # T_p 1.5 > 1.2
+
+
 def test_batch_neural_backup_waits_for_the_missing_rows():
     t = Timings(CostCurve(((1, 1.0),)), CostCurve(((1, 0.1), (2, 0.15))))
     p = predict_ssd(t, Workload(0.5, hit_rate=0.5), k=2, budget=1, batch_size=2)

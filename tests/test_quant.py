@@ -5,15 +5,20 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
-from torch import nn
 
+from trtssd.backends.base import Chunk, chain_chunk
+from trtssd.backends.torch_backend import TorchExecutor
+from trtssd.models.config import ModelConfig, RopeConfig
+from trtssd.models.llama import LlamaModel
 from trtssd.models.quant import (
     GROUP_SIZE,
     Int4Groups,
     Int4Linear,
+    RescoredInt4Head,
     groups_from_float,
     groups_from_q4_1,
     pack_nibbles,
+    quantize_linears,
     unpack_nibbles,
 )
 
@@ -112,12 +117,6 @@ def test_groups_from_float_error_bound():
 
 
 # -- the int4 executor against the same model with the dequantized weights in fp32 ---------------
-
-from trtssd.backends.base import Chunk, chain_chunk  # noqa: E402
-from trtssd.backends.torch_backend import TorchExecutor  # noqa: E402
-from trtssd.models.config import ModelConfig, RopeConfig  # noqa: E402
-from trtssd.models.llama import LlamaModel  # noqa: E402
-from trtssd.models.quant import RescoredInt4Head, quantize_linears  # noqa: E402
 
 TINY = ModelConfig(
     arch="llama", vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,

@@ -179,6 +179,8 @@ class RequestRecord:
     ttft_s: float  # request start to its first output token
     e2e_s: float  # request start to its last output token
     token_latencies_s: tuple[float, ...]  # per output token after the first (see per_token_latencies)
+    deliveries: int = 0  # times tokens reached the caller (a speculative round delivers several)
+    first_delivery_tokens: int = 1  # tokens that arrived with the first one (what TTFT paid for)
 
 
 @dataclass(frozen=True)
@@ -232,22 +234,27 @@ def summarize(batches: Sequence[BatchRecord], spec: SpecMetrics | None) -> dict:
     tokens = sum(len(r.output_ids) for r in requests)
     wall = sum(b.wall_s for b in batches)
     decode_s = sum(b.wall_s - b.prefill_s for b in batches)
-    decode_tokens = sum(max(len(r.output_ids) - 1, 0) for r in requests)
+    decode_tokens = sum(max(len(r.output_ids) - r.first_delivery_tokens, 0) for r in requests)
     latencies = [x for r in requests for x in r.token_latencies_s]
+    deliveries = sum(r.deliveries for r in requests)
     ttfts = [r.ttft_s for r in requests]
     out = {
         "num_requests": len(requests),
         "output_tokens": tokens,
         "wall_s": round(wall, 4),
         "tokens_per_s": round(tokens / wall, 3) if wall > 0 else None,
-        # After the prefill: what the speedup model predicts.
+        # After each request's first delivery (prefill, plus the first round where it arrives
+        # with it): the steady state the speedup model predicts.
         "decode_tokens_per_s": round(decode_tokens / decode_s, 3) if decode_s > 0 else None,
         "ttft_p50_ms": _ms(percentile(ttfts, 50)),
         "ttft_p99_ms": _ms(percentile(ttfts, 99)),
         "per_token_p50_ms": _ms(percentile(latencies, 50)),
         "per_token_p99_ms": _ms(percentile(latencies, 99)),
+        # Accepted + bonus per round for peers that report no metrics (transformers' assisted
+        # generation delivers each round's tokens at once); 1 for plain decoding.
+        "tokens_per_delivery": round(tokens / deliveries, 4) if deliveries else None,
     }
-    if spec is not None:
+    if spec is not None and spec.num_drafts:  # ar runs carry metrics too, with no rounds in them
         s = spec.summary()
         out.update({name: s[name] for name in ("mean_acceptance_length", "acceptance_rate_per_position",
                                                 "cache_hit_rate", "overlap_efficiency")})
@@ -370,9 +377,14 @@ class TrtssdRunner:
         while engine.has_unfinished():
             outs = engine.step()
             now = time.perf_counter()
+            # One step may hold several outputs for a sequence (admission's first token and the
+            # first round's): they reach the caller together, as one delivery.
+            new = dict.fromkeys(seq_ids, 0)
             for o in outs:
-                if o.new_token_ids:
-                    emissions[o.seq_id].append((now, len(o.new_token_ids)))
+                new[o.seq_id] += len(o.new_token_ids)
+            for sid, n in new.items():
+                if n:
+                    emissions[sid].append((now, n))
         wall = time.perf_counter() - start
         metrics = SpecMetrics()
         records = []
@@ -395,7 +407,7 @@ def _record(prompt_id: str, prompt: Sequence[int], output: Sequence[int], finish
         raise RuntimeError(f"request {prompt_id!r} produced no tokens")
     return RequestRecord(prompt_id, len(prompt), tuple(int(t) for t in output), finish or "unknown",
                          delivered[0][0] - start, delivered[-1][0] - start,
-                         tuple(per_token_latencies(delivered)))
+                         tuple(per_token_latencies(delivered)), len(delivered), delivered[0][1])
 
 
 def hf_source(path: str, side: str = "target") -> tuple[str, dict]:
@@ -468,6 +480,9 @@ class HFRunner:
                 self.assistant, self.assistant_note = self._load_assistant(cfg, target_ref, draft_ref)
             except ValueError as err:
                 self.assistant_error = f"draft not expressible as a transformers model: {err}"
+            except Exception as err:  # noqa: BLE001 - hf-greedy still runs without the assistant
+                log.exception("could not load the assistant model")
+                self.assistant_error = f"assistant failed to load: {type(err).__name__}: {err}"
 
     @staticmethod
     def _load_assistant(cfg: BenchConfig, target_ref, draft_ref):
@@ -476,16 +491,13 @@ class HFRunner:
 
         if cfg.hf_draft:
             path, kwargs = hf_source(cfg.hf_draft, "draft")
-            note = f"assistant = {cfg.hf_draft} (given)"
-            dtype = torch.float32
-        elif _is_self_draft(draft_ref.path):
-            path, kwargs = hf_source(cfg.hf_target or target_ref.path, "target")
-            same = True
+            dtype, note = torch.float32, f"assistant = {cfg.hf_draft} (given)"
         else:
-            path, kwargs = hf_source(draft_ref.path, "draft")
-            same = (path, kwargs) == hf_source(cfg.hf_target or target_ref.path, "target")
+            target_src = hf_source(cfg.hf_target or target_ref.path, "target")
+            path, kwargs = target_src if _is_self_draft(draft_ref.path) else hf_source(draft_ref.path, "draft")
             # A self-draft (the target's own 4-bit codes run with bf16 activations) has no
             # transformers int4 CPU path; the closest expression is the same weights in bf16.
+            same = (path, kwargs) == target_src
             dtype = torch.bfloat16 if same else torch.float32
             note = ("assistant = the target's weights dequantized, run in bf16 (self-draft)" if same
                     else f"assistant = {path} {kwargs or ''}".strip())
@@ -979,7 +991,7 @@ def render_markdown(report: BenchReport) -> str:
             f"{_fmt(s.get('tokens_per_s'))} | {_fmt(s.get('decode_tokens_per_s'))} | "
             f"{_fmt(s.get('speedup_vs_ar'), 2)} | {_fmt(s.get('speedup_vs_hf-greedy'), 2)} | "
             f"{_fmt(s.get('ttft_p50_ms'))} | {_fmt(s.get('per_token_p50_ms'), 2)} | {_fmt(s.get('per_token_p99_ms'), 2)} | "
-            f"{_fmt(s.get('mean_acceptance_length'), 2)} | {_fmt(s.get('cache_hit_rate'), 2)} | "
+            f"{_fmt(_acceptance_length(r), 2)} | {_fmt(s.get('cache_hit_rate'), 2)} | "
             f"{_fmt(s.get('overlap_efficiency'), 2)} | {_fmt(s.get('same_tokens_as_ar'), 2)} |")
     per_pos = [r for r in report.runs if r.error is None and r.summary.get("acceptance_rate_per_position")]
     if per_pos:
@@ -1012,6 +1024,12 @@ def render_markdown(report: BenchReport) -> str:
                 seen.add(line)
                 lines.append(line)
     return "\n".join(lines) + "\n"
+
+
+def _acceptance_length(run: RunResult) -> float | None:
+    if "mean_acceptance_length" in run.summary:
+        return run.summary["mean_acceptance_length"]
+    return run.summary.get("tokens_per_delivery") if run.key.system == "hf-assisted" else None
 
 
 def write_plots(runs: Sequence[RunResult], out_dir: Path) -> list[Path]:

@@ -21,6 +21,7 @@ merges, special tokens), else ``TokenizerMismatchError``.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -97,12 +98,13 @@ class LoadedEngine:
 # -- references ------------------------------------------------------------------------------
 
 
-def _registered_source(name: str) -> Path:
-    if name == DEFAULT_ENGINE:
-        from trtssd.models.smollm2 import ensure_smollm2_gguf
+REGISTERED = (DEFAULT_ENGINE,)  # engine names that resolve to a model fetched on demand
 
-        return ensure_smollm2_gguf()
-    raise ValueError(f"unknown engine name {name!r}; known: {DEFAULT_ENGINE!r}, or give a path to a .gguf file")
+
+def _registered_source(name: str) -> Path:
+    from trtssd.models.smollm2 import ensure_smollm2_gguf
+
+    return {DEFAULT_ENGINE: ensure_smollm2_gguf}[name]()
 
 
 def resolve_recipe(
@@ -116,7 +118,10 @@ def resolve_recipe(
     the draft instead of the target itself. ``name``: engine directory name (default: the
     registered name or the GGUF file's stem, lower-cased)."""
     ref = str(name_or_ref)
-    if ref.endswith(".gguf"):
+    if ref in REGISTERED:
+        target = _registered_source(ref)
+        default_name = ref
+    elif ref.endswith(".gguf"):
         target = Path(ref).expanduser().resolve()
         if not target.is_file():
             raise FileNotFoundError(f"GGUF file not found: {target}")
@@ -124,8 +129,7 @@ def resolve_recipe(
     elif Path(ref).is_dir():
         raise ValueError(f"{ref}: building from a Hugging Face directory is not supported; give a .gguf file or {DEFAULT_ENGINE!r}")
     else:
-        target = _registered_source(ref)
-        default_name = ref
+        raise ValueError(f"unknown engine name {ref!r}; known: {', '.join(map(repr, REGISTERED))}, or give a path to a .gguf file")
     draft_path = target if draft is None else Path(draft).expanduser().resolve()
     if draft is not None and (draft_path.suffix != ".gguf" or not draft_path.is_file()):
         raise FileNotFoundError(f"draft must be an existing .gguf file, got {draft_path}")
@@ -371,19 +375,32 @@ def build_engine(
     target_sha = file_sha256(recipe.target)
     draft_sha = target_sha if recipe.draft == recipe.target else file_sha256(recipe.draft)
     fingerprint = _fingerprint(recipe, target_sha, draft_sha)
-    if not force and _up_to_date(engine, fingerprint):
+    if not force and _up_to_date(engine, fingerprint):  # the common case; needs no write access
         log.info("engine %s is up to date", engine)
         return engine
+    out.mkdir(parents=True, exist_ok=True)
+    # One build per engine at a time (two ranks or test workers may ask for the default engine at
+    # once); whoever waits finds the engine up to date.
+    with open(out / f".{recipe.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not force and _up_to_date(engine, fingerprint):
+            log.info("engine %s was built meanwhile by another process", engine)
+            return engine
+        _build(recipe, engine, fingerprint, progress)
+    log.info("built engine %s in %.1f s", engine, time.perf_counter() - start)
+    return engine
+
+
+def _build(recipe: Recipe, engine: Path, fingerprint: dict, progress: bool) -> None:
+    start = time.perf_counter()
     if engine.exists() and not (engine / MANIFEST).is_file() and any(engine.iterdir()):
         raise ValueError(f"{engine} exists and is not an engine directory; choose another name or out_dir")
-
     target_tok = gguf_tokenizer_fields(recipe.target)
     draft_tok = target_tok if recipe.draft == recipe.target else gguf_tokenizer_fields(recipe.draft)
     check_same_tokenizer(target_tok, draft_tok, str(recipe.target), str(recipe.draft))
 
-    out.mkdir(parents=True, exist_ok=True)
     # Built in a staging directory and moved into place: a failed build leaves no half engine.
-    stage = Path(tempfile.mkdtemp(dir=out, prefix=f".{recipe.name}.build-"))
+    stage = Path(tempfile.mkdtemp(dir=engine.parent, prefix=f".{recipe.name}.build-"))
     try:
         log.info("building engine %s from %s (draft from %s)", recipe.name, recipe.target, recipe.draft)
         _link_or_copy(recipe.target, stage / TARGET_FILE)
@@ -399,8 +416,6 @@ def build_engine(
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    log.info("built engine %s in %.1f s", engine, time.perf_counter() - start)
-    return engine
 
 
 def _make_readable(root: Path) -> None:

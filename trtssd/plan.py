@@ -15,7 +15,7 @@ With o = target-side host overhead per round and s = the target<->draft handshak
 
     ar:   b tokens in  o + target(b)
     sd:   b E      in  o + s + K draft(b) + verify
-    ssd:  T_p = glue + K tree(b B); a round costs o + s + max(verify, T_p) plus, on a miss,
+    ssd:  T_p = glue + K tree(b B); a round costs s + max(o + verify, T_p) plus, on a miss,
           the backup: neural re-drafts the m missing rows just in time (K draft(m), the whole
           batch waits; E tokens per row), fast costs ~nothing but yields E_fast (about 1).
 
@@ -279,7 +279,7 @@ class Prediction:
     hit_rate: float | None  # h used (ssd only)
     tokens_per_round: float  # per sequence
     round_time_s: float  # expected seconds per round for the whole batch
-    draft_fits: bool | None  # ssd: T_p <= verify, i.e. drafting is hidden behind verification
+    draft_fits: bool | None  # ssd: T_p <= verify + host overhead, i.e. drafting is hidden behind verification
 
     @property
     def tokens_per_s(self) -> float:
@@ -330,7 +330,8 @@ def predict_ssd(t: Timings, w: Workload, k: int, budget: int, batch_size: int = 
     e = expected_tokens(w.acceptance, k)
     verify = t.verify(k, b)
     t_p = t.prespeculation(k, budget, b)
-    round_s = t.overhead_s + t.handshake_s + max(verify, t_p)
+    # The target's host work after verifying overlaps the draft's pre-speculation as well.
+    round_s = t.handshake_s + max(t.overhead_s + verify, t_p)
     if backup == "neural":
         # Rows that missed are re-drafted together; the whole batch waits for them.
         round_s += sum(_binomial(b, m, 1 - h) * k * t.draft_step(m) for m in range(1, b + 1))
@@ -338,7 +339,7 @@ def predict_ssd(t: Timings, w: Workload, k: int, budget: int, batch_size: int = 
     else:
         round_s += (1 - h**b) * t.fast_backup_s
         tokens = h * e + (1 - h) * expected_tokens(w.fast_acceptance, k)
-    return Prediction(f"ssd-{backup}", b, k, budget, fan, h, tokens, round_s, t_p <= verify)
+    return Prediction(f"ssd-{backup}", b, k, budget, fan, h, tokens, round_s, t_p <= t.overhead_s + verify)
 
 
 def _binomial(n: int, m: int, p: float) -> float:

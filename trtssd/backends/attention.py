@@ -35,15 +35,17 @@ def tree_attention_reference(
     prefix_len: torch.Tensor,
     region_mask: torch.Tensor,
     scale: float | None = None,
+    visible: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference attention with grouped-query heads.
 
     q: [B, H, n, D]; k, v: [B, Hkv, S, D] (storage slots 0..S-1, H % Hkv == 0);
     prefix_len: [B] int64; region_mask: [B, n, R] bool with prefix_len + R <= S. Every query
     row must see at least one key. Returns [B, H, n, D] in q's dtype, accumulated in fp32 when
-    inputs are half precision.
+    inputs are half precision. visible: optionally ``visibility_mask(prefix_len, region_mask, S)``
+    computed by the caller, so a model builds it once per forward rather than once per layer.
     """
-    mask = visibility_mask(prefix_len, region_mask, k.shape[2])
+    mask = visible if visible is not None else visibility_mask(prefix_len, region_mask, k.shape[2])
     dtype = q.dtype
     if dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
@@ -61,12 +63,15 @@ def tree_attention(
     region_mask: torch.Tensor,
     scale: float | None = None,
     kv_rows: torch.Tensor | None = None,
+    visible: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dispatch: the fused Triton kernel on CUDA tensors (trtssd/kernels), the reference (torch
     SDPA with a boolean mask) on CPU or when triton is not installed.
 
     kv_rows: optional [B] int; then k, v are a KV pool [rows, Hkv, S, D] and sequence b uses row
-    kv_rows[b] (the kernel reads it in place; the reference gathers it)."""
+    kv_rows[b] (the kernel reads it in place; the reference gathers it).
+    visible: optional precomputed visibility mask for the reference path (see there); the
+    kernel works from prefix_len and region_mask and ignores it."""
     if q.is_cuda:
         from trtssd.kernels import load_tree_attention_kernel
 
@@ -75,4 +80,4 @@ def tree_attention(
             return kernel(q, k, v, prefix_len, region_mask, scale, kv_rows=kv_rows)
     if kv_rows is not None:
         k, v = k.index_select(0, kv_rows), v.index_select(0, kv_rows)
-    return tree_attention_reference(q, k, v, prefix_len, region_mask, scale)
+    return tree_attention_reference(q, k, v, prefix_len, region_mask, scale, visible)

@@ -251,6 +251,10 @@ class TorchExecutor:
     def _check_chunk(self, c: Chunk, seq: _Sequence) -> tuple[int, int]:
         """Validate one chunk against its sequence; returns (n tokens, highest slot + 1)."""
         where = f"chunk of seq {c.seq_id}"
+        for name in ("tokens", "positions", "slots"):
+            t = getattr(c, name)
+            if t.dtype.is_floating_point or t.dtype == torch.bool:
+                raise ValueError(f"{where}: {name} must be an integer tensor, got {t.dtype}")
         if c.tokens.dim() != 1 or c.tokens.numel() == 0:
             raise ValueError(f"{where}: tokens must be a non-empty 1-D tensor, got shape {tuple(c.tokens.shape)}")
         n = c.tokens.numel()
@@ -270,7 +274,8 @@ class TorchExecutor:
                              f"got [{lo}, {hi}]")
         if torch.unique(c.slots).numel() != n:
             raise ValueError(f"{where}: two tokens write the same slot")
-        if not bool(c.mask.gather(1, (c.slots - seq.committed)[:, None]).all()):
+        own = (c.slots.to(device=c.mask.device, dtype=torch.long) - seq.committed)[:, None]
+        if not bool(c.mask.gather(1, own).all()):
             raise ValueError(f"{where}: every token's mask must include its own slot")
         if int(c.positions.min()) < 0:
             raise ValueError(f"{where}: positions must be >= 0")

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trtssd.backends.attention import tree_attention
+from trtssd.backends.attention import tree_attention, visibility_mask
 from trtssd.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -122,6 +122,9 @@ class AttentionBatch:
     key_len: int  # keys read per sequence: max over b of prefix_len + R_b
     pad_index: torch.Tensor | None  # [B*n] packed token feeding each padded query row; None when B == 1
     unpad_index: torch.Tensor | None  # [T] padded row of each packed token; None when B == 1
+    # [B, n, key_len] key visibility, built once per forward for torch's SDPA (CPU). On CPU every
+    # extra op per layer is costly: the weight stream evicts the caches between layers.
+    visible: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -142,8 +145,11 @@ class AttentionBatch:
         prefix = torch.tensor(list(prefix_lens), dtype=torch.long, device=device)
         rows = tuple(seq_rows)
         rows_index = torch.tensor(rows, dtype=torch.long, device=device)
+        with_mask = device.type == "cpu"  # on CUDA the fused kernel reads the region masks directly
         if len(masks) == 1:
-            return cls(positions, cache_rows, slots, rows, rows_index, prefix, masks[0][None], key_len, None, None)
+            region = masks[0][None]
+            visible = visibility_mask(prefix, region, key_len) if with_mask else None
+            return cls(positions, cache_rows, slots, rows, rows_index, prefix, region, key_len, None, None, visible)
         n, r = max(lens), max(m.shape[1] for m in masks)
         region = torch.zeros(len(masks), n, r, dtype=torch.bool, device=device)
         region[:, :, 0] = True  # padded rows must see some key; their outputs are dropped
@@ -158,6 +164,7 @@ class AttentionBatch:
         return cls(
             positions, cache_rows, slots, rows, rows_index, prefix, region, key_len,
             pad_index.view(-1).to(device), torch.cat(unpad).to(device),
+            visibility_mask(prefix, region, key_len) if with_mask else None,
         )
 
     @property
@@ -183,7 +190,12 @@ class AttentionBatch:
             qb = q[None].transpose(1, 2)
         else:
             qb = q.index_select(0, self.pad_index).view(B, -1, H, D).transpose(1, 2)
-        out = tree_attention(qb, self.read(k_cache), self.read(v_cache), self.prefix_len, self.region_mask, scale)
+        if qb.is_cuda:  # the kernel reads the pool rows in place
+            out = tree_attention(qb, k_cache, v_cache, self.prefix_len, self.region_mask, scale,
+                                 kv_rows=self.seq_rows_index)
+        else:
+            out = tree_attention(qb, self.read(k_cache), self.read(v_cache), self.prefix_len, self.region_mask,
+                                 scale, visible=self.visible)
         out = out.transpose(1, 2).reshape(-1, H * D)
         return out if self.unpad_index is None else out.index_select(0, self.unpad_index)
 

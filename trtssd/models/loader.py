@@ -49,9 +49,9 @@ class GGUFTensor:
         from gguf.quants import dequantize
 
         values = dequantize(self.data, self.qtype)
-        # Float tensors come back as views of the read-only memory map: copy them out.
-        values = np.array(values, dtype=np.float32, copy=not values.flags.writeable or values.base is not None)
-        return torch.from_numpy(values).reshape(self.shape)
+        if np.may_share_memory(values, self.data):  # F32 comes back as a view of the read-only map
+            values = values.copy()
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.shape)
 
 
 @dataclass(frozen=True)

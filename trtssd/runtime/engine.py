@@ -206,6 +206,8 @@ class Engine:
             m.verify_time_s += t2 - t1
             m.draft_wait_time_s += t1 - t0
             m.round_time_s += t2 - t0
+            m.draft_answer_time_s += reply.answer_time_s
+            m.draft_prespec_time_s += reply.prespec_time_s
             self._emit(seq, proposals[i][:n] + [bonus[i]], outputs)
 
     # --- emission and stops ------------------------------------------------------------------

@@ -26,6 +26,8 @@ class SpecMetrics:
     verify_time_s: float = 0.0  # target forward + verification
     draft_wait_time_s: float = 0.0  # time the target waited for the draft's answer (handshake)
     round_time_s: float = 0.0  # whole speculative rounds
+    draft_answer_time_s: float = 0.0  # draft rank: answering (cache lookup, or a backup on a miss)
+    draft_prespec_time_s: float = 0.0  # draft rank: glue + fork + tree + populate (SSD), overlapped
     degraded_rounds: int = 0  # rounds decoded in ar mode because the draft was lost
 
     def record_round(self, k: int, accepted: int, hit: bool, backup: str) -> None:

@@ -222,3 +222,26 @@ def test_cuda_executor_matches_transformers(setup):
     tree = ex.forward([tree_chunk(0, n, len(glue), branches, 0, [11, 12])])[0].cpu()
     for i, (j, toks) in enumerate(branches):
         assert (tree[i] - hf_logits(hf, prompt + glue[: j + 1] + toks)[-1]).abs().max() < 1e-3
+
+
+def test_copy_slots_moves_kv_as_if_decoded_in_place(setup):
+    hf, directory = setup
+    ex = new_executor(directory)
+    prompt, chain = rand_tokens(8, 30), rand_tokens(4, 31)
+    prefill(ex, 0, prompt)
+    n = len(prompt)
+    # Decode the chain at logical positions n.. but into scratch slots n+10.., then move it.
+    positions = torch.arange(n, n + 4)
+    mask = torch.zeros(4, 14, dtype=torch.bool)
+    mask[:, 10:] = torch.ones(4, 4, dtype=torch.bool).tril()  # region slots 10..13, causal
+    ex.forward([Chunk(0, torch.tensor(chain), positions, positions + 10, mask)])
+    ex.copy_slots(0, positions + 10, positions)
+    ex.commit(0, 4)
+    ours = ex.forward([chain_chunk(0, [9], n + 4)])[0]
+    assert close(ours, hf_logits(hf, prompt + chain + [9])[-1:])
+    with pytest.raises(ValueError, match="src slots must lie in the written region"):
+        ex.copy_slots(0, torch.tensor([0]), torch.tensor([n + 4]))
+    with pytest.raises(ValueError, match="dst slots must lie in"):
+        ex.copy_slots(0, torch.tensor([n + 4]), torch.tensor([64]))
+    with pytest.raises(ValueError, match="one length"):
+        ex.copy_slots(0, torch.tensor([n + 4]), torch.tensor([n + 5, n + 6]))

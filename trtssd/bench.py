@@ -834,7 +834,9 @@ def compare_with_plan(runs: list[RunResult], timings: Timings, handshake_s: floa
             else:
                 s = run.summary["spec"]
                 options = [b for b, n in (("neural", s["neural_backups"]), ("fast", s["fast_backups"])) if n]
-                preds = [predict_ssd(t, w, key.k, key.budget, key.batch_size, b) for b in options or ["neural"]]
+                # The auto fan-out picks its width each round: predict with the mean it used.
+                budget = max(round(s.get("mean_tree_branches") or key.budget), 1)
+                preds = [predict_ssd(t, w, key.k, budget, key.batch_size, b) for b in options or ["neural"]]
                 pred = max(preds, key=lambda p: p.tokens_per_s)
         measured = run.summary.get("decode_tokens_per_s")
         row = prediction_row(pred)

@@ -37,8 +37,11 @@ class SpecConfig:
 
     mode: Mode = Mode.SSD  # the product's point; ar/sd exist for honest comparison
     k: int = 5  # lookahead; measured best on the default engine (see README benchmarks)
-    fanout: str | tuple[int, ...] = "auto"  # "auto" = section 7 from online a and r, or K+1 ints
-    fanout_budget: int = 12  # branches per sequence per round when fanout is "auto"
+    # "auto": each round, the budget (1..fanout_budget branches per sequence) with the best
+    # predicted tokens/s from measured draft forward and verify times (ALGORITHM.md section 8),
+    # spread over depths by section 7 from online a, c and r. Or K+1 explicit ints.
+    fanout: str | tuple[int, ...] = "auto"
+    fanout_budget: int = 12  # most branches per sequence per round when fanout is "auto"
     saguaro_c: float = 0.7  # cache-aware scaling of the draft's top-(F+1); 1.0 = plain sampling
     backup: Backup = Backup.AUTO  # miss policy
     draft_timeout_s: float = 30.0  # no draft reply within this: the draft is declared dead

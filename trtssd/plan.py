@@ -15,7 +15,8 @@ With o = target-side host overhead per round and s = the target<->draft handshak
 
     ar:   b tokens in  o + target(b)
     sd:   b E      in  o + s + K draft(b) + verify
-    ssd:  T_p = glue + K tree(b B); a round costs s + max(o + verify, T_p) plus, on a miss,
+    ssd:  T_p = glue + K tree(b B) (the glue decodes 1 token per row after a hit, K+1 after a
+          miss); a round costs s + max(o + verify, T_p) plus, on a miss,
           the backup: neural re-drafts the m missing rows just in time (K draft(m), the whole
           batch waits; E tokens per row), fast costs ~nothing but yields E_fast (about 1).
 
@@ -148,15 +149,17 @@ class Timings:
     def draft_step(self, b: int) -> float:
         return self.draft(b)
 
-    def glue(self, k: int, b: int) -> float:
-        return self.draft(b * (k + 1))
+    def glue(self, k: int, b: int, hit_rate: float = 0.0) -> float:
+        """Glue decode: K+1 tokens per row, or 1 on a cache hit (the hit branch's KV and logits
+        are reused, only s_K is decoded)."""
+        return self.draft(b * (1 + (1 - hit_rate) * k))
 
     def tree_step(self, budget: int, b: int) -> float:
         return (self.tree or self.draft)(b * budget) if budget > 0 else 0.0
 
-    def prespeculation(self, k: int, budget: int, b: int) -> float:
+    def prespeculation(self, k: int, budget: int, b: int, hit_rate: float = 0.0) -> float:
         """T_p: glue plus K tree steps, the draft's work that must fit in the verify window."""
-        return self.glue(k, b) + (k * self.tree_step(budget, b) if budget > 0 else 0.0)
+        return self.glue(k, b, hit_rate) + (k * self.tree_step(budget, b) if budget > 0 else 0.0)
 
     def to_dict(self) -> dict:
         out = {"name": self.name, "target": self.target.to_dict(), "draft": self.draft.to_dict(),
@@ -329,7 +332,7 @@ def predict_ssd(t: Timings, w: Workload, k: int, budget: int, batch_size: int = 
     b = batch_size
     e = expected_tokens(w.acceptance, k)
     verify = t.verify(k, b)
-    t_p = t.prespeculation(k, budget, b)
+    t_p = t.prespeculation(k, budget, b, h)
     # The target's host work after verifying overlaps the draft's pre-speculation as well.
     round_s = t.handshake_s + max(t.overhead_s + verify, t_p)
     if backup == "neural":

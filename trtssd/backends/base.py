@@ -76,3 +76,10 @@ class Executor(Protocol):
 
     def commit(self, seq_id: int, n_tokens: int) -> None:
         """Mark region slots [committed, committed + n_tokens) as committed prefix."""
+
+    def copy_slots(self, seq_id: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the KV at storage slots ``src`` (already written, not committed) to slots ``dst``
+        (at or after the committed prefix), in every layer, as if gathered before scattering.
+        The draft uses it to turn a tree branch's scratch slots into the sequence's chain
+        instead of decoding those tokens again (the KV depends only on token, logical position
+        and what the token saw, all unchanged)."""

@@ -240,6 +240,31 @@ class TorchExecutor:
             )
         seq.committed += n_tokens
 
+    def copy_slots(self, seq_id: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        seq = self._seq(seq_id)
+        src = torch.as_tensor(src).reshape(-1)
+        dst = torch.as_tensor(dst).reshape(-1)
+        if src.dtype.is_floating_point or dst.dtype.is_floating_point or src.numel() != dst.numel():
+            raise ValueError(f"src and dst must be integer tensors of one length, got {src.dtype} "
+                             f"[{src.numel()}] and {dst.dtype} [{dst.numel()}]")
+        if src.numel() == 0:
+            return
+        lo, hi = seq.committed, seq.written
+        if int(src.min()) < lo or int(src.max()) >= hi:
+            raise ValueError(f"seq {seq_id}: src slots must lie in the written region [{lo}, {hi}), "
+                             f"got [{int(src.min())}, {int(src.max())}]")
+        if int(dst.min()) < lo or int(dst.max()) >= self.max_seq_len:
+            raise ValueError(f"seq {seq_id}: dst slots must lie in [{lo}, {self.max_seq_len}), "
+                             f"got [{int(dst.min())}, {int(dst.max())}]")
+        if torch.unique(dst).numel() != dst.numel():
+            raise ValueError(f"seq {seq_id}: dst slots must be distinct")
+        src, dst = src.to(self.device, torch.long), dst.to(self.device, torch.long)
+        for pair in self._kv:
+            for cache in pair:
+                row = cache[seq.row]  # [Hkv, S, D]
+                row.index_copy_(1, dst, row.index_select(1, src))
+        seq.written = max(seq.written, int(dst.max()) + 1)
+
     def _seq(self, seq_id: int) -> _Sequence:
         try:
             return self._seqs[seq_id]

@@ -41,6 +41,11 @@ def serve(comm: MPI.Intracomm, target_rank: int = 0) -> None:
     executor = load_executor(hello.draft_model, max_seqs=hello.runtime.max_batch, max_seq_len=hello.max_seq_len,
                              max_batch_tokens=batch_tokens(hello.spec, hello.runtime))
     worker = DraftWorker(executor, hello.spec)
+    if hello.spec.mode is Mode.SSD and not isinstance(hello.spec.fanout, tuple):
+        try:
+            worker.calibrate()  # the auto fan-out needs to know what wider trees cost here
+        except Exception:  # noqa: BLE001 - an optimisation: serve with the uncalibrated prior
+            log.exception("draft forward calibration failed; the auto fan-out starts from a linear prior")
     channel.send(P.Ready(executor.vocab_size, time.perf_counter() - t0, os.getpid()), P.REPLY_TAG)
     try:
         _loop(channel, buffers, worker, hello.spec.mode is Mode.SSD)
@@ -52,7 +57,7 @@ def serve(comm: MPI.Intracomm, target_rank: int = 0) -> None:
 
 
 def _loop(channel: Channel, buffers: SharedBuffers, worker: DraftWorker, prespeculate: bool) -> None:
-    prespec_s = 0.0
+    prespec_s, branches = 0.0, 0
     while True:
         msg = channel.recv(P.CONTROL_TAG)
         if isinstance(msg, P.Shutdown):
@@ -77,12 +82,13 @@ def _loop(channel: Channel, buffers: SharedBuffers, worker: DraftWorker, prespec
                 has_probs=ans.probs is not None,
                 answer_time_s=time.perf_counter() - t0,
                 prespec_time_s=prespec_s,
+                tree_branches=branches,
             )
             channel.send(reply, P.REPLY_TAG)
             prespec_s = 0.0
             if prespeculate:
                 t1 = time.perf_counter()
-                worker.prespeculate()
+                branches = worker.prespeculate()
                 prespec_s = time.perf_counter() - t1
         else:
             raise TypeError(f"unexpected message {type(msg).__name__}")

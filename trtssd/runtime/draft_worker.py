@@ -24,7 +24,8 @@ from trtssd.runtime.protocol import Outcome, Prefill, SpeculateRequest
 from trtssd.sampling import SamplingParams, make_generator, processed_probs, sample
 from trtssd.spec.backup import BackupCosts, ngram_proposal, prefer_neural
 from trtssd.spec.cache import SpeculationCache
-from trtssd.spec.fanout import AcceptanceEstimator, PowerLawEstimator, optimal_fanout
+from trtssd.spec.fanout import (AcceptanceEstimator, PowerLawEstimator, RoundCosts, StepCostModel,
+                                optimal_fanout, plan_fanout)
 from trtssd.spec.saguaro import saguaro_probs, select_forks
 from trtssd.spec.tree import TreeLayout, append_chunk
 
@@ -46,6 +47,15 @@ class DraftSequence:
     last_source: str = ""  # "hit", "neural" or "fast"
     cached: bool = False  # the cache holds this sequence's pre-speculation for this round
     fanout: list[int] = field(default_factory=list)  # per-depth fan-out of the cached round
+    tree: "TreeResult | None" = None  # the last tree decode, for reusing the branch that hits
+    branch: int | None = None  # branch of ``tree`` this round's speculation came from (a hit)
+
+
+@dataclass(frozen=True)
+class TreeResult:
+    layout: TreeLayout
+    step_logits: list[torch.Tensor]  # per tree step d: [branches, V], the logits s_{d+1} came from
+    branch_of: dict[tuple[int, int], int]  # fork (depth, token) -> branch index
 
 
 @dataclass(frozen=True)
@@ -69,7 +79,36 @@ class DraftWorker:
         self.acceptance = AcceptanceEstimator()
         self.power_law = PowerLawEstimator()
         self.costs = BackupCosts()
+        self.forward_costs = StepCostModel()  # draft forward seconds by rows, for the auto fan-out
         self._answered: list[int] = []  # sequences of the last answer, to pre-speculate for
+        self._budget = spec.budget  # per-sequence tree width chosen for this round (auto fan-out)
+
+    def calibrate(self, context: int = 128, max_rows: int = 64) -> dict[int, float]:
+        """Time draft forwards of 1, 2, 4, ... rows on a scratch sequence, so the auto fan-out
+        knows from the first round what a wider tree costs on this machine. Returns {rows: s}."""
+        limit = getattr(self.executor, "max_batch_tokens", None) or self.executor.max_seq_len
+        context = max(1, min(context, limit, self.executor.max_seq_len // 2))
+        cap = min(max_rows, limit, self.executor.max_seq_len - context)
+        sizes = [r for r in (1, 2, 4, 8, 16, 32, 64, 128) if r <= cap] or [1]
+        sid = -1  # never a request id (the target numbers requests from 0)
+        self.executor.add_sequence(sid)
+        try:
+            self.executor.forward([chain_chunk(sid, [1] * context, 0, last_logits_only=True)])
+            self.executor.commit(sid, context)
+            points = {}
+            for rows in sizes:
+                chunk = chain_chunk(sid, [1] * rows, context)
+                times = []
+                for _ in range(3):  # the first one warms caches; keep the best of the rest
+                    t0 = time.perf_counter()
+                    self.executor.forward([chunk])
+                    times.append(time.perf_counter() - t0)
+                points[rows] = min(times[1:])
+        finally:
+            self.executor.release(sid)
+        self.forward_costs.calibrate(points)
+        log.info("draft forward seconds by rows: %s", {r: round(t, 4) for r, t in points.items()})
+        return points
 
     # --- sequences ---------------------------------------------------------------------------
 
@@ -166,8 +205,11 @@ class DraftWorker:
             if not seq.cached:
                 continue
             spec = self.cache.lookup([(seq.seq_id, o.num_accepted, o.bonus)])[0]
+            if spec is not None and seq.tree is not None:
+                seq.branch = seq.tree.branch_of.get((o.num_accepted, o.bonus))
             depth_fanout = seq.fanout[o.num_accepted] if o.num_accepted < len(seq.fanout) else 0
-            self.power_law.update([max(depth_fanout, 1)], [spec is not None])
+            if depth_fanout:  # a depth without candidates always misses: no evidence on c or r
+                self.power_law.update([depth_fanout], [spec is not None])
             found[i] = spec
             seq.cached = False
             self.cache.evict(seq.seq_id)
@@ -183,14 +225,23 @@ class DraftWorker:
 
     # --- drafting ----------------------------------------------------------------------------
 
+    def _plan_budget(self, batch: int) -> None:
+        """Choose this round's tree width per sequence from measured costs (auto fan-out)."""
+        if isinstance(self.spec.fanout, tuple):
+            return
+        fast = self.costs.tokens_fast if self.spec.backup is not Backup.NEURAL else None
+        plan = plan_fanout(self.spec.budget, self.k, self.acceptance.value, self.power_law.estimate(),
+                           RoundCosts(self.costs.verify_s, self.forward_costs.predict), batch, fast)
+        self._budget = sum(plan.fanout)
+
     def _fanout(self, seq: DraftSequence) -> list[int]:
         if isinstance(self.spec.fanout, tuple):
             return list(self.spec.fanout)
         if seq.last_source == "fast":
             # A fast-backup proposal almost always accepts 0 tokens: put every branch at depth 0.
-            return [self.spec.budget] + [0] * self.k
+            return [self._budget] + [0] * self.k
         law = self.power_law.estimate()
-        return optimal_fanout(self.spec.budget, self.k, self.acceptance.value, law.r)
+        return optimal_fanout(self._budget, self.k, self.acceptance.value, law.r, law.c)
 
     def _sample_rows(self, logits: torch.Tensor, seqs: list[DraftSequence], fanouts: list[int]):
         """One token per row from the draft's Saguaro distribution q'; returns (tokens, q' or
@@ -229,12 +280,14 @@ class DraftWorker:
 
     # --- pre-speculation (SSD) ---------------------------------------------------------------
 
-    def prespeculate(self) -> None:
-        """Glue, fork, tree and populate for the sequences of the last answer."""
+    def prespeculate(self) -> int:
+        """Glue, fork, tree and populate for the sequences of the last answer; returns the tree
+        branches per sequence it used (mean over the batch, rounded)."""
         seqs = [self.seqs[sid] for sid in self._answered if sid in self.seqs]
         self._answered = []
         if not seqs:
-            return
+            return 0
+        self._plan_budget(len(seqs))
         glue_logits = self._glue(seqs)
         layouts, fanouts = [], []
         for seq, logits in zip(seqs, glue_logits):
@@ -253,21 +306,51 @@ class DraftWorker:
             )
             fanouts.append(fan)
         self._tree(seqs, layouts, fanouts)
+        return round(sum(sum(f) for f in fanouts) / len(seqs))
 
     def _glue(self, seqs: list[DraftSequence]) -> list[torch.Tensor]:
-        """Write draft KV for [uncached.., b, s_1..s_K]; return the K+1 glue logit rows each."""
-        chunks = []
+        """Write draft KV for [uncached.., b, s_1..s_K]; return the K+1 glue logit rows each.
+
+        On a cache hit the tree branch the speculation came from already holds the KV and the
+        logits of b, s_1..s_{K-1} (same tokens, positions and context): its scratch slots are
+        copied into place and only s_K is decoded. Other rows decode the whole chain.
+        """
+        chunks, adopted = [], []
         for s in seqs:
-            toks = s.uncached + [s.bonus] + s.last_spec
-            chunks.append(chain_chunk(s.seq_id, toks, self.executor.committed(s.seq_id)))
-        outs = self.executor.forward(chunks)
-        rows = []
-        for s, out in zip(seqs, outs):
+            committed = self.executor.committed(s.seq_id)
+            rows = self._adopt_branch(s, committed)
+            adopted.append(rows)
+            if rows is None:
+                toks = s.uncached + [s.bonus] + s.last_spec
+                chunks.append(chain_chunk(s.seq_id, toks, committed))
+            else:
+                chunks.append(append_chunk(s.seq_id, committed, [s.last_spec[-1]], self.k))
+        outs = self._timed_forward(chunks)
+        glue = []
+        for s, out, rows in zip(seqs, outs, adopted):
             self.executor.commit(s.seq_id, len(s.uncached))  # target-committed: now in draft KV
             s.uncached = []
             s.kv_chain = [s.bonus] + s.last_spec
-            rows.append(out[-(self.k + 1) :])
-        return rows
+            s.tree, s.branch = None, None
+            glue.append(out[-(self.k + 1) :] if rows is None else torch.cat(rows + [out[-1:]]))
+        return glue
+
+    def _adopt_branch(self, s: DraftSequence, committed: int) -> list[torch.Tensor] | None:
+        """Move the hit branch's KV for b, s_1..s_{K-1} to region slots 0..K-1; return its K
+        logit rows, or None when the chain must be decoded (miss, or tokens not yet in KV)."""
+        if s.branch is None or s.tree is None or s.uncached or self.k == 0:
+            return None
+        lay, i = s.tree.layout, s.branch
+        steps = torch.arange(self.k)
+        src = lay.committed + lay.glue_len + steps * lay.num_branches + i
+        self.executor.copy_slots(s.seq_id, src, committed + steps)
+        return [s.tree.step_logits[d][i : i + 1] for d in range(self.k)]
+
+    def _timed_forward(self, chunks):
+        t0 = time.perf_counter()
+        outs = self.executor.forward(chunks)
+        self.forward_costs.observe(sum(c.tokens.numel() for c in chunks), time.perf_counter() - t0)
+        return outs
 
     def _fit_region(self, seq: DraftSequence, fan: list[int]) -> list[int]:
         """Trim the fan-out so glue + tree fit the sequence's KV slot (never an error)."""
@@ -288,11 +371,13 @@ class DraftWorker:
             for i in live
         }
         inputs = {i: layouts[i].fork_token for i in live}
+        step_logits: dict[int, list[torch.Tensor]] = {i: [] for i in live}
         for d in range(self.k):
             if not live:
                 break
-            outs = self.executor.forward([layouts[i].step_chunk(d, inputs[i]) for i in live])
+            outs = self._timed_forward([layouts[i].step_chunk(d, inputs[i]) for i in live])
             for i, logits in zip(live, outs):
+                step_logits[i].append(logits)
                 nb = layouts[i].num_branches
                 fan_d = fanouts[i][d] if d < len(fanouts[i]) else 0
                 tok, q = self._sample_rows(logits, [seqs[i]] * nb, [fan_d] * nb)
@@ -301,6 +386,9 @@ class DraftWorker:
                     probs[i][:, d] = q
                 inputs[i] = tok
         self.cache_populate(seqs, layouts, fanouts, tokens, probs)
+        for i in live:
+            keys = zip(layouts[i].fork_depth.tolist(), layouts[i].fork_token.tolist())
+            seqs[i].tree = TreeResult(layouts[i], step_logits[i], {key: b for b, key in enumerate(keys)})
 
     def cache_populate(self, seqs, layouts, fanouts, tokens, probs) -> None:
         for i, (seq, lay) in enumerate(zip(seqs, layouts)):

@@ -109,6 +109,11 @@ class Engine:
     def step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
         self._admit(outputs)
+        if outputs:
+            # New requests' first tokens go out now: holding them for a whole speculative round
+            # would add that round to their time to first token. Rounds resume next step.
+            self._retire()
+            return outputs
         if self.running:
             if self.speculating:
                 try:
@@ -208,6 +213,7 @@ class Engine:
             m.round_time_s += t2 - t0
             m.draft_answer_time_s += reply.answer_time_s
             m.draft_prespec_time_s += reply.prespec_time_s
+            m.tree_branches += reply.tree_branches
             self._emit(seq, proposals[i][:n] + [bonus[i]], outputs)
 
     # --- emission and stops ------------------------------------------------------------------

@@ -28,6 +28,7 @@ class SpecMetrics:
     round_time_s: float = 0.0  # whole speculative rounds
     draft_answer_time_s: float = 0.0  # draft rank: answering (cache lookup, or a backup on a miss)
     draft_prespec_time_s: float = 0.0  # draft rank: glue + fork + tree + populate (SSD), overlapped
+    tree_branches: int = 0  # SSD: tree branches per sequence summed over rounds (auto fan-out's picks)
     degraded_rounds: int = 0  # rounds decoded in ar mode because the draft was lost
 
     def record_round(self, k: int, accepted: int, hit: bool, backup: str) -> None:
@@ -81,6 +82,7 @@ class SpecMetrics:
         out["acceptance_rate_per_position"] = [
             round(a / p, 4) if p else 0.0 for a, p in zip(self.accepted_per_position, self.proposed_per_position)
         ]
+        out["mean_tree_branches"] = round(self.tree_branches / self.num_drafts, 4) if self.num_drafts else 0.0
         out["mean_accepted_on_hit"] = round(self.accepted_on_hit / self.cache_hits, 4) if self.cache_hits else 0.0
         out["mean_accepted_on_miss"] = round(self.accepted_on_miss / self.cache_misses, 4) if self.cache_misses else 0.0
         # Share of the round the target spent verifying rather than waiting for the draft.

@@ -87,6 +87,7 @@ class SpeculateReply:
     has_probs: bool  # q' rows were written (False when every row is greedy or point mass)
     answer_time_s: float  # draft time spent answering this request
     prespec_time_s: float  # draft time spent pre-speculating after the previous reply
+    tree_branches: int = 0  # tree branches per sequence that pre-speculation used (auto fan-out's pick)
     timings: dict = field(default_factory=dict)
 
 

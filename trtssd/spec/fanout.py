@@ -208,3 +208,104 @@ class PowerLawEstimator:
         log_c = np.average(y + r * x, weights=trials)
         c = float(np.clip(math.exp(log_c), self._c_min, 1.0))
         return PowerLaw(c=c, r=r)
+
+
+# --- choosing the budget from measured costs (ALGORITHM.md section 8) ------------------------------
+
+
+class StepCostModel:
+    """Seconds of one draft forward as a function of the rows (tokens) it carries.
+
+    The shape comes from a start-up calibration (`calibrate`: a few timed forwards of 1, 2, 4,
+    ... rows), linearly interpolated and extrapolated; a single scale factor, an exponential
+    average of observed / predicted, follows the machine's load from then on. Before any
+    calibration the shape is linear in the rows (as on a CPU, where every row costs compute); a
+    GPU calibration comes out nearly flat, which is what lets SSD fan out widely there.
+    """
+
+    def __init__(self, decay: float = 0.8) -> None:
+        self._rows: list[int] = []
+        self._seconds: list[float] = []
+        self.scale = 1.0
+        self._decay = decay
+
+    @property
+    def calibrated(self) -> bool:
+        return bool(self._rows)
+
+    def calibrate(self, points: dict[int, float]) -> None:
+        """Set the shape from {rows: seconds} (at least one point, rows >= 1, seconds > 0)."""
+        if not points or any(r < 1 or s <= 0 for r, s in points.items()):
+            raise ValueError(f"calibration points must map rows >= 1 to seconds > 0, got {points!r}")
+        self._rows = sorted(points)
+        self._seconds = [points[r] for r in self._rows]
+        self.scale = 1.0
+
+    def _shape(self, rows: int) -> float:
+        if not self._rows:
+            return 0.01 * rows
+        xs, ys = self._rows, self._seconds
+        if len(xs) == 1:
+            return ys[0] * rows / xs[0]
+        i = int(np.searchsorted(xs, rows))
+        lo, hi = (0, 1) if i == 0 else (len(xs) - 2, len(xs) - 1) if i >= len(xs) else (i - 1, i)
+        slope = (ys[hi] - ys[lo]) / (xs[hi] - xs[lo])
+        return max(ys[lo] + slope * (rows - xs[lo]), 1e-6)
+
+    def predict(self, rows: int) -> float:
+        return self.scale * self._shape(max(int(rows), 1))
+
+    def observe(self, rows: int, seconds: float) -> None:
+        ratio = seconds / self._shape(max(int(rows), 1))
+        self.scale = self._decay * self.scale + (1 - self._decay) * ratio
+
+
+@dataclass(frozen=True)
+class RoundCosts:
+    """What a round costs, in seconds, for `plan_fanout`."""
+
+    verify_s: float  # the target's verify pass (the window pre-speculation hides behind)
+    forward_s: object  # callable rows -> seconds of one draft forward (a StepCostModel.predict)
+
+
+@dataclass(frozen=True)
+class FanoutPlan:
+    fanout: list[int]  # F_0..F_K
+    hit_rate: float  # predicted per sequence
+    round_s: float  # predicted round time
+    tokens_per_s: float  # predicted per sequence
+
+
+def plan_fanout(max_budget: int, k: int, a: float, law: PowerLaw, costs: RoundCosts, batch: int = 1,
+                fast_tokens: float | None = None) -> FanoutPlan:
+    """The fan-out whose predicted tokens per second is highest, over budgets 1..max_budget.
+
+    For each budget B the allocation is `optimal_fanout` (section 7); the round is modelled as in
+    section 8: the draft's pre-speculation (one glue forward: 1 row per sequence after a hit,
+    K+1 after a miss; then K tree steps of batch*B rows) runs beside the target's verify, and when any sequence of the batch
+    misses, a just-in-time neural draft of K forwards for the missing rows is added. A round
+    yields E = (1 - a^(K+1)) / (1 - a) tokens per sequence either way; with ``fast_tokens`` a miss
+    may instead take the fast backup (no delay, ``fast_tokens`` tokens), whichever is better.
+    A wider tree raises the hit rate but, where rows cost time (CPUs), lengthens every round.
+    """
+    if not isinstance(max_budget, int) or max_budget < 1:
+        raise ValueError(f"max_budget must be an int >= 1, got {max_budget!r}")
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+    step = costs.forward_s
+    tokens = float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+    best: FanoutPlan | None = None
+    for budget in range(1, max_budget + 1):
+        fan = optimal_fanout(budget, k, a, law.r, law.c)
+        hit = expected_hit_rate(fan, a, law.r, law.c)
+        glue_rows = batch * (1 + (1 - hit) * k)  # a hit reuses its branch: one new token
+        overlap = max(costs.verify_s, step(round(glue_rows)) + k * step(batch * budget))
+        any_miss = 1.0 - hit**batch
+        misses = max(1, round(batch * (1 - hit)))
+        neural = tokens / (overlap + any_miss * k * step(misses))
+        rate = neural
+        if fast_tokens is not None:
+            rate = max(rate, (hit * tokens + (1 - hit) * fast_tokens) / overlap)
+        if best is None or rate > best.tokens_per_s * (1 + 1e-9):
+            best = FanoutPlan(fan, hit, tokens / rate, rate)
+    return best

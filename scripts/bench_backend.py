@@ -9,6 +9,11 @@ mask, the compute shape is the same). The two are timed alternately, call after 
 from other processes hits both alike; we report the median and the minimum.
 
     .venv/bin/python scripts/bench_backend.py                      # SmolLM2, fp32 and bf16
+    .venv/bin/python scripts/bench_backend.py --dtypes int4        # the GGUF's own 4-bit codes
+
+``int4`` runs the model's Q4_1 codes through torch's int4 kernel (bf16 activations; the default
+engine's draft, `trtssd/models/quant.py`) next to transformers in fp32, which has no int4 CPU path:
+it answers "how fast is a decode step of this checkpoint", not "same numerics".
     .venv/bin/python scripts/bench_backend.py --dtypes float32 --reps 5 --out /tmp/b.json
 
 Writes JSON (``--out``) and a markdown table next to it (same name, .md).
@@ -35,7 +40,7 @@ from trtssd.models.loader import is_gguf, load_model
 
 log = logging.getLogger("bench_backend")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int4": torch.float32}
 GLUE = 5  # tree steps hang off a K+1 = 5 token glue region
 
 
@@ -118,11 +123,22 @@ def time_alternately(fns: dict[str, Callable[[], object]], reps: int, warmup: in
     return times
 
 
+def _our_model(path: Path, dtype_name: str):
+    if dtype_name != "int4":
+        return load_model(path, DTYPES[dtype_name])
+    from trtssd.build import build_engine, default_engine, load_draft_model
+    from trtssd.models.smollm2 import ensure_smollm2_gguf
+
+    if is_gguf(path):  # int4 groups come from the engine build (Q4_1 codes kept exactly)
+        return load_draft_model(default_engine() if path == ensure_smollm2_gguf() else build_engine(str(path)))
+    raise SystemExit("--dtypes int4 needs a Q4_1 GGUF model (the default SmolLM2 is one)")
+
+
 def bench_dtype(path: Path, dtype_name: str, context: int, reps: int, prefill_reps: int) -> list[Row]:
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    dtype = DTYPES[dtype_name]
-    ex = TorchExecutor(load_model(path, dtype), max_seqs=1, max_seq_len=context + 64, max_batch_tokens=context + 64)
+    dtype = DTYPES[dtype_name]  # transformers' dtype (fp32 next to int4)
+    ex = TorchExecutor(_our_model(path, dtype_name), max_seqs=1, max_seq_len=context + 64, max_batch_tokens=context + 64)
     log.info("ours (%s): %s", dtype_name, ex.memory)
     kwargs = {"gguf_file": path.name} if is_gguf(path) else {}
     hf = AutoModelForCausalLM.from_pretrained(path.parent if is_gguf(path) else path, dtype=dtype, **kwargs).eval()

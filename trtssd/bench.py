@@ -283,6 +283,7 @@ class BenchConfig:
     seed: int = 0  # sampling seed base (temperature > 0)
     warmup: bool = True  # one short untimed request per loaded system
     peer_threads: int = 1  # torch threads for the transformers peers (trtssd: one per rank)
+    shared_cores: bool = False  # trtssd ranks each get every core (threads = cores), shared
     hf_target: str | None = None  # override: transformers source of the target (dir or .gguf)
     hf_draft: str | None = None  # override: transformers source of the assistant
     calibrate: bool = True  # time forward passes afterwards and compare the plan with the runs
@@ -356,6 +357,9 @@ class TrtssdRunner:
         from trtssd.llm import LLM
 
         options = dict(mode=mode, max_batch=max(cfg.batch_sizes), max_seq_len=max_seq_len)
+        if cfg.shared_cores:  # e.g. "sd given both cores": each rank runs on all of them in turn
+            cores = tuple(sorted(os.sched_getaffinity(0)))
+            options.update(target_threads=len(cores), draft_threads=len(cores), target_cores=cores, draft_cores=cores)
         if mode != "ar":
             options.update(k=k, backup=cfg.backup)
         if mode == "ssd":
@@ -652,6 +656,8 @@ def run_benchmark(cfg: BenchConfig, command: str | None = None) -> "BenchReport"
     notes = ["prompt sets: " + ", ".join(f"{ds} ({len(p)} prompts)" for ds, p in encoded.items())]
     if hasattr(os, "getloadavg"):
         notes.append(f"load average (1 min) at start: {os.getloadavg()[0]:.2f}")
+    notes.append("trtssd ranks: " + ("each on every core, shared (--shared-cores)" if cfg.shared_cores
+                                      else "one core each (target and draft pinned apart)"))
     with tqdm(total=total, desc="bench", unit="batch", file=sys.stderr) as progress:
         for inst in instances:
             progress.set_postfix_str(inst.system + (f" K={inst.k}" if inst.k else "") +
@@ -659,7 +665,9 @@ def run_benchmark(cfg: BenchConfig, command: str | None = None) -> "BenchReport"
             runs += _run_instance(inst, cfg, encoded, ids, max_seq_len, progress, notes)
     timings = None
     if cfg.calibrate and any(r.key.system in TRTSSD_SYSTEMS and r.error is None for r in runs):
-        timings = measure_timings(cfg.engine, cfg.target, cfg.draft, cfg.batch_sizes, cfg.ks, cfg.budgets)
+        # The auto fan-out may pick any width up to the budget: time narrow trees too.
+        widths = sorted({w for b in cfg.budgets for w in (1, 2, 4, b) if w <= b})
+        timings = measure_timings(cfg.engine, cfg.target, cfg.draft, cfg.batch_sizes, cfg.ks, widths)
         compare_with_plan(runs, timings, cfg.handshake_s)
     attach_comparisons(runs)
     return BenchReport(machine_info(), command or shlex.join(sys.argv), _config_dict(cfg), runs, timings, notes)
@@ -1175,6 +1183,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--handshake-s", type=float, default=None, help="plan: fixed handshake seconds")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--shared-cores", action="store_true",
+                   help="trtssd ranks each use every core (threads = cores) instead of one core each")
     p.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
     p.add_argument("--log-level", default="WARNING")
     return p
@@ -1189,7 +1199,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         engine=args.engine, target=args.target, draft=args.draft, systems=args.systems, datasets=args.datasets,
         ks=args.k, budgets=args.budget, backup=args.backup, ignore_eos=not args.allow_eos, seed=args.seed,
-        warmup=not args.no_warmup, peer_threads=args.peer_threads, hf_target=args.hf_target, hf_draft=args.hf_draft,
+        warmup=not args.no_warmup, peer_threads=args.peer_threads, shared_cores=args.shared_cores, hf_target=args.hf_target, hf_draft=args.hf_draft,
         calibrate=not args.no_calibrate, handshake_s=args.handshake_s, out_dir=Path(args.out),
         plots=not args.no_plots, **preset)
 

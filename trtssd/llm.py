@@ -117,22 +117,40 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = _broadcast_params(params, len(prompts))
-        ids = [self.engine.add_request(self._encode(p), sp) for p, sp in zip(prompts, params_list)]
+        encoded = [self._encode(p) for p in prompts]
+        for tokens, sp in zip(encoded, params_list):  # all or nothing: one bad prompt queues none
+            self.engine.check_request(tokens, sp)
+        ids = [self.engine.add_request(tokens, sp) for tokens, sp in zip(encoded, params_list)]
         while self.engine.has_unfinished():
             self.engine.step()
         return [self._output(p, self.engine.pop_finished(i)) for p, i in zip(prompts, ids)]
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text deltas as tokens are committed (each round's accepted tokens at once)."""
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, per_token: bool = False) -> Iterator[str]:
+        """Yield text deltas as tokens are committed: by default one delta per round (a
+        speculative round commits its accepted tokens at once); ``per_token=True`` splits each
+        round into one delta per token, for a steady typing cadence. Either way the deltas join
+        to the final text, stop strings included."""
         seq_id = self.engine.add_request(self._encode(prompt), params or SamplingParams())
+        ids: list[int] = []
+        committed = sent = ""  # the engine's text so far; what has been yielded
         done = False
         while not done:
             for out in self.engine.step():
                 if out.seq_id != seq_id:
                     continue
                 done = out.finished
-                if out.text_delta:
-                    yield out.text_delta
+                committed += out.text_delta
+                if per_token and self.tokenizer is not None:
+                    for tok in out.new_token_ids:
+                        ids.append(tok)
+                        # Never past the engine's text: it is cut at stop strings.
+                        text = self.tokenizer.decode(ids, skip_special_tokens=True)[: len(committed)]
+                        if len(text) > len(sent) and not text.endswith("\ufffd"):
+                            yield text[len(sent):]
+                            sent = text
+                if len(committed) > len(sent):
+                    yield committed[len(sent):]
+                    sent = committed
         self.engine.pop_finished(seq_id)
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
@@ -142,7 +160,7 @@ class LLM:
         if not messages or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages):
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict):
+        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return self.generate([list(ids)], params)[0]
 

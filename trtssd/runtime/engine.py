@@ -82,6 +82,14 @@ class Engine:
     # --- requests ----------------------------------------------------------------------------
 
     def add_request(self, prompt: list[int], params: SamplingParams) -> int:
+        self.check_request(prompt, params)
+        seq = Sequence(next(self._ids), list(prompt), params, make_generator(params))
+        self.waiting.append(seq)
+        return seq.seq_id
+
+    def check_request(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if the request cannot be served (so a batch can be checked whole
+        before any of it is queued)."""
         if not prompt:
             raise ValueError("prompt must contain at least one token")
         bad = [t for t in prompt if not 0 <= t < self.target.vocab_size]
@@ -93,9 +101,6 @@ class Engine:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) + speculation "
                 f"({self.spec.k + 1}) = {need} exceeds max_seq_len {self.target.max_seq_len}"
             )
-        seq = Sequence(next(self._ids), list(prompt), params, make_generator(params))
-        self.waiting.append(seq)
-        return seq.seq_id
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -251,7 +251,10 @@ class DraftWorker:
         if greedy:
             return logits.argmax(dim=-1), None
         q = processed_probs(logits, params)
-        q_prime = saguaro_probs(q, torch.tensor(fanouts), self.spec.saguaro_c)
+        # Scale only where forks are cached (F >= 1): with none, lowering q's top token buys no
+        # hit and only costs acceptance. (Section 6 would scale the top-1 at F = 0 too.)
+        cached = torch.tensor([f if f > 0 else -1 for f in fanouts])
+        q_prime = saguaro_probs(q, cached, self.spec.saguaro_c)
         tokens = sample(q_prime, [s.generator for s in seqs])
         return tokens, q_prime
 
@@ -287,6 +290,12 @@ class DraftWorker:
         self._answered = []
         if not seqs:
             return 0
+        t0 = time.perf_counter()
+        branches = self._prespeculate(seqs)
+        self.costs.observe("prespec_s", time.perf_counter() - t0)
+        return branches
+
+    def _prespeculate(self, seqs: list[DraftSequence]) -> int:
         self._plan_budget(len(seqs))
         glue_logits = self._glue(seqs)
         layouts, fanouts = [], []

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from trtssd.spec.fanout import (AcceptanceEstimator, PowerLaw, PowerLawEstimator, RoundCosts, StepCostModel,
-                                continuous_fanout, plan_fanout,
+from trtssd.spec.fanout import (AcceptanceEstimator, PowerLaw, PowerLawEstimator, continuous_fanout,
                                 expected_hit_rate, optimal_fanout, optimal_miss_rate, outcome_probs)
 
 
@@ -110,52 +109,3 @@ def test_power_law_estimator_with_a_single_fanout_keeps_the_prior_exponent():
     fit = est.estimate()
     assert fit.r == 1.2 and fit.c == pytest.approx(0.2 * 3**1.2, rel=0.05)
 
-
-# --- budget from costs (StepCostModel, plan_fanout) ------------------------------------------------
-
-
-def test_step_cost_model_interpolates_and_follows_load():
-    m = StepCostModel(decay=0.5)
-    m.calibrate({1: 0.030, 4: 0.045, 16: 0.120})
-    assert m.predict(1) == pytest.approx(0.030)
-    assert m.predict(2) == pytest.approx(0.035)  # between 1 and 4
-    assert m.predict(32) == pytest.approx(0.220)  # extrapolated with the last slope
-    m.observe(4, 0.090)  # the machine got twice as slow
-    assert m.scale == pytest.approx(1.5)
-    assert m.predict(16) == pytest.approx(0.180)
-    with pytest.raises(ValueError, match="rows >= 1"):
-        m.calibrate({0: 0.1})
-
-
-def _plan(calibration: dict[int, float], verify_s: float, a: float, c: float = 0.3, budget: int = 12) -> list[int]:
-    m = StepCostModel()
-    m.calibrate(calibration)
-    return plan_fanout(budget, 5, a, PowerLaw(c=c, r=1.0), RoundCosts(verify_s, m.predict)).fanout
-
-
-def test_plan_uses_the_whole_budget_when_width_is_free():
-    # GPU-like: a forward costs the same for 1 or 64 rows, and verify hides the whole tree.
-    fan = _plan({1: 0.001, 64: 0.001}, verify_s=0.02, a=0.7)
-    assert sum(fan) == 12 and fan == optimal_fanout(12, 5, 0.7, 1.0, 0.3)
-
-
-def test_plan_narrows_the_tree_when_rows_cost_time():
-    # CPU-like: every row costs, the tree cannot hide behind verify; near-certain acceptance and
-    # a draft whose top guess is nearly always the bonus (greedy) put the only candidate at
-    # depth K (the bonus after accepting everything).
-    fan = _plan({1: 0.03, 2: 0.035, 4: 0.045, 16: 0.12, 64: 0.45}, verify_s=0.1, a=0.99, c=0.02)
-    assert fan == [0, 0, 0, 0, 0, 1]
-
-
-def test_plan_widens_when_verify_is_long_enough_to_hide_it():
-    cal = {1: 0.03, 2: 0.035, 4: 0.045, 16: 0.12, 64: 0.45}
-    narrow = sum(_plan(cal, verify_s=0.1, a=0.8))
-    wide = sum(_plan(cal, verify_s=2.0, a=0.8))
-    assert wide > narrow and wide == 12
-
-
-def test_plan_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="max_budget"):
-        plan_fanout(0, 5, 0.5, PowerLaw(0.5, 1.0), RoundCosts(0.1, lambda r: 0.01))
-    with pytest.raises(ValueError, match="batch"):
-        plan_fanout(4, 5, 0.5, PowerLaw(0.5, 1.0), RoundCosts(0.1, lambda r: 0.01), batch=0)

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from trtssd.plan import (CostCurve, Timings, Workload, acceptance_from_length, acceptance_mle, expected_tokens,
-                         load_timings, main, predict_ar, predict_sd, predict_ssd, recommend)
+from trtssd.plan import (CostCurve, StepCostModel, Timings, Workload, acceptance_from_length, acceptance_mle,
+                         expected_tokens, load_timings, main, predict_ar, predict_sd, predict_ssd, recommend)
 from trtssd.spec.fanout import expected_hit_rate, optimal_fanout
 
 
@@ -271,3 +271,58 @@ def test_main_measures_tiny_models_on_this_machine(tmp_path, capsys):
     assert [n for n, _ in t.tree.points] == [2, 4, 8]
     assert all(s > 0 for _, s in t.target.points + t.draft.points)
     assert "batch 2:" in capsys.readouterr().out
+
+
+# --- the draft rank's live use: StepCostModel and recommend over budgets ---------------------------
+
+
+def test_step_cost_model_interpolates_and_follows_load():
+    m = StepCostModel(decay=0.5)
+    m.calibrate({1: 0.030, 4: 0.045, 16: 0.120})
+    assert m.predict(1) == pytest.approx(0.030)
+    assert m.predict(2) == pytest.approx(0.035)  # between 1 and 4
+    assert m.predict(32) == pytest.approx(0.220)  # extrapolated with the last slope
+    m.observe(4, 0.090)  # the machine got twice as slow
+    assert m.scale == pytest.approx(1.5)
+    assert m.predict(16) == pytest.approx(0.180)
+    assert m.curve()(16) == pytest.approx(0.180)
+    with pytest.raises(ValueError, match="rows >= 1"):
+        m.calibrate({0: 0.1})
+
+
+def _budget_plan(calibration: dict[int, float], verify_s: float, a: float, c: float = 0.3, budget: int = 12) -> list[int]:
+    """What the draft rank does each round: recommend over budgets 1..budget from live costs."""
+    m = StepCostModel()
+    m.calibrate(calibration)
+    t = Timings(CostCurve(((1.0, verify_s),)), m.curve())
+    best = recommend(t, Workload(a, r=1.0, c=c), 1, ks=(5,), budgets=range(1, budget + 1), backups=("neural",)).ssd
+    return list(best.fanout)
+
+
+def test_budget_uses_all_of_it_when_width_is_free():
+    # GPU-like: a forward costs the same for 1 or 64 rows, and verify hides the whole tree.
+    fan = _budget_plan({1: 0.001, 64: 0.001}, verify_s=0.02, a=0.7)
+    assert sum(fan) == 12 and fan == optimal_fanout(12, 5, 0.7, 1.0, 0.3)
+
+
+def test_budget_narrows_the_tree_when_rows_cost_time():
+    # CPU-like: every row costs, the tree cannot hide behind verify; near-certain acceptance and
+    # a draft whose top guess is nearly always the bonus (greedy) put the only candidate at
+    # depth K (the bonus after accepting everything).
+    fan = _budget_plan({1: 0.03, 2: 0.035, 4: 0.045, 16: 0.12, 64: 0.45}, verify_s=0.1, a=0.99, c=0.02)
+    assert fan == [0, 0, 0, 0, 0, 1]
+
+
+def test_budget_widens_when_verify_is_long_enough_to_hide_it():
+    cal = {1: 0.03, 2: 0.035, 4: 0.045, 16: 0.12, 64: 0.45}
+    narrow = sum(_budget_plan(cal, verify_s=0.1, a=0.8))
+    wide = sum(_budget_plan(cal, verify_s=2.0, a=0.8))
+    assert wide > narrow and wide == 12
+
+
+def test_recommend_rejects_empty_choices():
+    t = Timings(CostCurve(((1.0, 0.1),)), CostCurve(((1.0, 0.01),)))
+    with pytest.raises(ValueError, match="budgets and backups must be non-empty"):
+        recommend(t, Workload(0.5), 1, ks=(5,), budgets=range(1, 1))
+    with pytest.raises(ValueError, match="batch"):
+        recommend(t, Workload(0.5), 0, ks=(5,), budgets=(4,))

@@ -119,6 +119,40 @@ class CostCurve:
         return {_fmt_tokens(n): s for n, s in self.points}
 
 
+class StepCostModel:
+    """A draft forward's seconds by rows, measured live: a calibrated `CostCurve` for the shape,
+    times a scale that follows the machine's load.
+
+    `calibrate` sets the shape from a few timed forwards (the draft rank times 1, 2, 4, ... rows at
+    start-up); `observe` folds every later forward into the scale, an exponential average of
+    observed / predicted. Before calibration the shape is linear in the rows (as on a CPU, where
+    every row costs compute); a GPU calibration comes out nearly flat.
+    """
+
+    def __init__(self, decay: float = 0.8) -> None:
+        self._shape = CostCurve(((1.0, 0.01), (2.0, 0.02)))
+        self.scale = 1.0
+        self._decay = decay
+
+    def calibrate(self, points: Mapping[int, float]) -> None:
+        """Set the shape from {rows: seconds} (at least one point, rows >= 1, seconds > 0)."""
+        if not points or any(r < 1 or s <= 0 for r, s in points.items()):
+            raise ValueError(f"calibration points must map rows >= 1 to seconds > 0, got {points!r}")
+        self._shape = CostCurve.from_mapping(points, "calibration")
+        self.scale = 1.0
+
+    def predict(self, rows: int) -> float:
+        return self.scale * self._shape(max(int(rows), 1))
+
+    def observe(self, rows: int, seconds: float) -> None:
+        ratio = seconds / self._shape(max(int(rows), 1))
+        self.scale = self._decay * self.scale + (1 - self._decay) * ratio
+
+    def curve(self) -> CostCurve:
+        """The current prediction as a plain curve (for `Timings`)."""
+        return CostCurve(tuple((n, s * self.scale) for n, s in self._shape.points))
+
+
 def _fmt_tokens(n: float) -> str:
     return str(int(n)) if float(n).is_integer() else str(n)
 
@@ -375,13 +409,14 @@ class Recommendation:
 
 
 def recommend(t: Timings, w: Workload, batch_size: int = 1, ks: Iterable[int] = DEFAULT_KS,
-              budgets: Iterable[int] = DEFAULT_BUDGETS) -> Recommendation:
-    """Best K for sd, best (K, fan-out budget, backup) for ssd, at one batch size."""
-    ks, budgets = tuple(ks), tuple(budgets)
-    if not ks or not budgets:
-        raise ValueError("ks and budgets must be non-empty")
+              budgets: Iterable[int] = DEFAULT_BUDGETS, backups: Iterable[str] = BACKUPS) -> Recommendation:
+    """Best K for sd, best (K, fan-out budget, backup) for ssd, at one batch size. The draft rank
+    calls it every round (one K, budgets 1..fanout_budget) to size its tree from live costs."""
+    ks, budgets, backups = tuple(ks), tuple(budgets), tuple(backups)
+    if not ks or not budgets or not backups:
+        raise ValueError("ks, budgets and backups must be non-empty")
     sd = [predict_sd(t, w, k, batch_size) for k in ks]
-    ssd = [predict_ssd(t, w, k, bud, batch_size, backup) for k in ks for bud in budgets for backup in BACKUPS]
+    ssd = [predict_ssd(t, w, k, bud, batch_size, backup) for k in ks for bud in budgets for backup in backups]
     fastest = lambda preds: max(preds, key=lambda p: p.tokens_per_s)  # noqa: E731
     return Recommendation(batch_size, predict_ar(t, batch_size), fastest(sd), fastest(ssd), tuple(sd + ssd))
 

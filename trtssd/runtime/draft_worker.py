@@ -24,8 +24,8 @@ from trtssd.runtime.protocol import Outcome, Prefill, SpeculateRequest
 from trtssd.sampling import SamplingParams, make_generator, processed_probs, sample
 from trtssd.spec.backup import BackupCosts, ngram_proposal, prefer_neural
 from trtssd.spec.cache import SpeculationCache
-from trtssd.spec.fanout import (AcceptanceEstimator, PowerLawEstimator, RoundCosts, StepCostModel,
-                                optimal_fanout, plan_fanout)
+from trtssd.plan import CostCurve, StepCostModel, Timings, Workload, acceptance_from_length, recommend
+from trtssd.spec.fanout import AcceptanceEstimator, PowerLawEstimator, optimal_fanout
 from trtssd.spec.saguaro import saguaro_probs, select_forks
 from trtssd.spec.tree import TreeLayout, append_chunk
 
@@ -226,13 +226,20 @@ class DraftWorker:
     # --- drafting ----------------------------------------------------------------------------
 
     def _plan_budget(self, batch: int) -> None:
-        """Choose this round's tree width per sequence from measured costs (auto fan-out)."""
+        """Choose this round's tree width per sequence (auto fan-out): the speedup model of
+        `trtssd.plan` (ALGORITHM.md section 8) over budgets 1..fanout_budget, fed with the live
+        draft forward costs and the target's last verify time."""
         if isinstance(self.spec.fanout, tuple):
             return
-        fast = self.costs.tokens_fast if self.spec.backup is not Backup.NEURAL else None
-        plan = plan_fanout(self.spec.budget, self.k, self.acceptance.value, self.power_law.estimate(),
-                           RoundCosts(self.costs.verify_s, self.forward_costs.predict), batch, fast)
-        self._budget = sum(plan.fanout)
+        law = self.power_law.estimate()
+        fast_a = acceptance_from_length(min(max(self.costs.tokens_fast, 1.0), self.k + 1), self.k)
+        workload = Workload(self.acceptance.value, r=law.r, c=law.c, fast_acceptance=fast_a)
+        # The verify is one measured number; a one-point curve returns it for any size.
+        timings = Timings(CostCurve(((1.0, self.costs.verify_s),)), self.forward_costs.curve())
+        backups = ("neural",) if self.spec.backup is Backup.NEURAL else ("neural", "fast")
+        best = recommend(timings, workload, batch, ks=(self.k,), budgets=range(1, self.spec.budget + 1),
+                         backups=backups).ssd
+        self._budget = best.budget
 
     def _fanout(self, seq: DraftSequence) -> list[int]:
         if isinstance(self.spec.fanout, tuple):

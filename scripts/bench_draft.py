@@ -21,6 +21,7 @@ Usage (1 thread, ~5 minutes on an idle core):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import logging
@@ -58,6 +59,10 @@ class PromptResult:
     draft_ms: list[float] = field(default_factory=list)
     target_cpu_ms: list[float] = field(default_factory=list)  # thread CPU time, per decode step
     draft_cpu_ms: list[float] = field(default_factory=list)
+    # The same draft step through the torch layers instead of the compiled ones (same step, same
+    # machine moment), and that path's own agreement.
+    draft_torch_cpu_ms: list[float] = field(default_factory=list)
+    agree_torch: list[bool] = field(default_factory=list)
 
 
 def humaneval_prompts(tokenizer, n: int) -> list[Prompt]:
@@ -79,6 +84,17 @@ def chat_prompts(tokenizer, n: int, path: Path) -> list[Prompt]:
     return out
 
 
+@contextlib.contextmanager
+def torch_layers(executor):
+    """Run the executor's model on its torch layers (no compiled draft layers) inside the block."""
+    fused = executor.model.fused_layers
+    executor.model.fused_layers = None
+    try:
+        yield
+    finally:
+        executor.model.fused_layers = fused
+
+
 def _timed(executor, chunk) -> tuple[torch.Tensor, float, float]:
     wall, cpu = time.perf_counter(), time.thread_time()
     logits = executor.forward([chunk])[0]
@@ -92,7 +108,7 @@ def run_prompt(target, draft, prompt: Prompt, new_tokens: int, stop_ids: set[int
         ex.add_sequence(0)
     try:
         t_logits = target.forward([chain_chunk(0, ids, 0, last_logits_only=True)])[0]
-        d_logits = draft.forward([chain_chunk(0, ids, 0, last_logits_only=True)])[0]
+        d_logits = dt_logits = draft.forward([chain_chunk(0, ids, 0, last_logits_only=True)])[0]
         target.commit(0, len(ids))
         draft.commit(0, len(ids))
         result = PromptResult(prompt, [], [])
@@ -100,15 +116,22 @@ def run_prompt(target, draft, prompt: Prompt, new_tokens: int, stop_ids: set[int
             token = int(t_logits[-1].argmax())
             result.tokens.append(token)
             result.agree.append(int(d_logits[-1].argmax()) == token)
+            result.agree_torch.append(int(dt_logits[-1].argmax()) == token)
             if token in stop_ids or step == new_tokens - 1:
                 break
             n = len(ids) + step
             t_logits, wall, cpu = _timed(target, chain_chunk(0, [token], n))
             result.target_ms.append(wall)
             result.target_cpu_ms.append(cpu)
+            if draft.model.fused_layers is not None:
+                with torch_layers(draft):  # first, so the compiled layers' KV is what stays
+                    dt_logits, _, cpu = _timed(draft, chain_chunk(0, [token], n))
+                result.draft_torch_cpu_ms.append(cpu)
             d_logits, wall, cpu = _timed(draft, chain_chunk(0, [token], n))
             result.draft_ms.append(wall)
             result.draft_cpu_ms.append(cpu)
+            if draft.model.fused_layers is None:
+                dt_logits = d_logits
             target.commit(0, 1)
             draft.commit(0, 1)
         return result
@@ -158,14 +181,19 @@ def tokens_per_round(agree: list[bool], k: int) -> tuple[int, int]:
 def batched_cost(target, draft, context: list[int], sizes: list[int], repeats: int = 5) -> dict:
     """Median thread-CPU ms of one forward of n new tokens (chain) after ``context``."""
     out = {}
-    for name, ex in (("target", target), ("draft", draft)):
+    runs = [("target", target, contextlib.nullcontext()), ("draft", draft, contextlib.nullcontext())]
+    if draft.model.fused_layers is not None:
+        runs.append(("draft_torch_layers", draft, torch_layers(draft)))
+    for name, ex, mode in runs:
         ex.add_sequence(0)
         try:
-            ex.forward([chain_chunk(0, context, 0, last_logits_only=True)])
-            ex.commit(0, len(context))
-            for n in sizes:
-                times = [_timed(ex, chain_chunk(0, list(range(100, 100 + n)), len(context)))[2] for _ in range(repeats)]
-                out.setdefault(name, {})[n] = round(statistics.median(times), 2)
+            with mode:
+                ex.forward([chain_chunk(0, context, 0, last_logits_only=True)])
+                ex.commit(0, len(context))
+                for n in sizes:
+                    times = [_timed(ex, chain_chunk(0, list(range(100, 100 + n)), len(context)))[2]
+                             for _ in range(repeats)]
+                    out.setdefault(name, {})[n] = round(statistics.median(times), 2)
         finally:
             ex.release(0)
     return out
@@ -188,7 +216,13 @@ class _TimedProjection(torch.nn.Module):
 
 def step_breakdown(executor, context: list[int], steps: int = 10) -> dict[str, float]:
     """Thread-CPU ms per single-token decode step spent in each kind of projection (qkv, o,
-    gate_up, down, lm_head) and in everything else (norms, RoPE, attention, executor)."""
+    gate_up, down, lm_head) and in everything else (norms, RoPE, attention, executor), on the
+    torch layers (the compiled draft layers run all projections in one call: not separable)."""
+    with torch_layers(executor):
+        return _step_breakdown(executor, context, steps)
+
+
+def _step_breakdown(executor, context: list[int], steps: int) -> dict[str, float]:
     model = executor.model
     originals = dict(model.linears())
     totals = {name.rsplit(".", 1)[-1]: 0.0 for name in originals}
@@ -219,6 +253,8 @@ def summarize(results: list[PromptResult]) -> dict:
         return statistics.median(v for r in results for v in getattr(r, key))
 
     agree = [a for r in results for a in r.agree]
+    agree_torch = [a for r in results for a in r.agree_torch]
+    torch_cpu = [v for r in results for v in r.draft_torch_cpu_ms]
     tpr = {}
     for k in K_RANGE:
         tokens = rounds = 0
@@ -238,16 +274,23 @@ def summarize(results: list[PromptResult]) -> dict:
         "cost_ratio_cpu": round(med("draft_cpu_ms") / med("target_cpu_ms"), 3),
         "cost_ratio_wall": round(med("draft_ms") / med("target_ms"), 3),
         "tokens_per_round": tpr,
+        "agreement_torch_layers": round(sum(agree_torch) / len(agree_torch), 4),
+        "draft_torch_layers_step_cpu_ms": round(statistics.median(torch_cpu), 2) if torch_cpu else None,
+        "cost_ratio_cpu_torch_layers": round(statistics.median(torch_cpu) / med("target_cpu_ms"), 3) if torch_cpu else None,
     }
 
 
 def markdown(summary: dict) -> str:
-    lines = ["| set | prompts | agreement | draft ms | target ms | cost (cpu) | " + " | ".join(f"K={k}" for k in K_RANGE) + " |",
-             "|---|---|---|---|---|---|" + "---|" * len(K_RANGE)]
+    lines = ["| set | prompts | agreement | draft ms | target ms | cost (cpu) | torch-layers draft ms | "
+             "torch-layers cost | " + " | ".join(f"K={k}" for k in K_RANGE) + " |",
+             "|---|---|---|---|---|---|---|---|" + "---|" * len(K_RANGE)]
     for name, s in summary.items():
         tpr = " | ".join(f"{s['tokens_per_round'][k]:.2f}" for k in K_RANGE)
+        torch_ms, torch_cost = s["draft_torch_layers_step_cpu_ms"], s["cost_ratio_cpu_torch_layers"]
         lines.append(f"| {name} | {s['prompts']} | {s['agreement']:.3f} | {s['draft_step_cpu_ms']:.1f} | "
-                     f"{s['target_step_cpu_ms']:.1f} | {s['cost_ratio_cpu']:.3f} | {tpr} |")
+                     f"{s['target_step_cpu_ms']:.1f} | {s['cost_ratio_cpu']:.3f} | "
+                     f"{'-' if torch_ms is None else f'{torch_ms:.1f}'} | "
+                     f"{'-' if torch_cost is None else f'{torch_cost:.3f}'} | {tpr} |")
     return "\n".join(lines)
 
 
@@ -261,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--head-top-k", type=int, nargs="*", default=[0, 4, 16], help="head re-scoring ablation")
     parser.add_argument("--out", type=Path, default=None, help="write the results JSON here")
+    parser.add_argument("--torch-layers-only", action="store_true",
+                        help="draft without the compiled layers (default: compiled, torch layers timed beside)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     for name in ("humaneval", "chat", "new_tokens", "threads"):
@@ -269,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     engine_dir = Path(args.engine) if args.engine else default_engine()
-    engine = load_engine(engine_dir, max_seqs=1, max_seq_len=2048)
+    engine = load_engine(engine_dir, max_seqs=1, max_seq_len=2048, fused=not args.torch_layers_only)
     tokenizer = engine.tokenizer
     stop_ids = set(engine.target.config.eos_token_ids)
     sets = {"humaneval": humaneval_prompts(tokenizer, args.humaneval),
@@ -297,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "command": "scripts/bench_draft.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "engine": str(engine_dir),
-        "draft": {k: engine.manifest["draft"][k] for k in ("backend", "projections", "lm_head", "dtype")},
+        "draft": {k: engine.manifest["draft"].get(k) for k in ("backend", "projections", "lm_head", "dtype", "execution")},
+        "draft_compiled_layers": engine.draft.model.fused_layers is not None,
         "threads": args.threads,
         "new_tokens": args.new_tokens,
         "summary": summary,

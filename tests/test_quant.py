@@ -21,6 +21,7 @@ from trtssd.models.quant import (
     quantize_linears,
     unpack_nibbles,
 )
+from tiny_models import tiny_int4_pair
 
 Q4_1 = GGMLQuantizationType.Q4_1
 BF16_EPS = 2.0**-8  # bf16 has 8 significant bits: relative rounding error <= 2^-8
@@ -125,24 +126,9 @@ TINY = ModelConfig(
 
 
 def _tiny_pair(top_k: int) -> tuple[TorchExecutor, TorchExecutor]:
-    """(int4 executor, fp32 executor) over identical weights: the fp32 model holds exactly the
-    dequantized 4-bit groups, so only the int4 path's arithmetic differs."""
-    gen = torch.Generator().manual_seed(0)
-    ref = LlamaModel(TINY)
-    groups = {name: groups_from_float(torch.randn(m.out_features, m.in_features, generator=gen) * 0.2)
-              for name, m in ref.linears()}
-    plain = {"embed.weight": torch.randn(TINY.vocab_size, TINY.hidden_size, generator=gen),
-             "norm.weight": 1 + 0.1 * torch.randn(TINY.hidden_size, generator=gen)}
-    for i in range(TINY.num_layers):
-        for norm in ("attn_norm", "mlp_norm"):
-            plain[f"layers.{i}.{norm}.weight"] = 1 + 0.1 * torch.randn(TINY.hidden_size, generator=gen)
-    dequantized = {f"{name}.weight": g.dequantize() for name, g in groups.items()}
-    ref.load_weights({**plain, **dequantized})
-    draft = quantize_linears(LlamaModel(TINY), groups, head_top_k=top_k)
-    draft.load_weights({**plain, "lm_head.weight": dequantized["lm_head.weight"]})
-    assert isinstance(draft.lm_head, RescoredInt4Head)
-    kw = dict(max_seqs=2, max_seq_len=64)
-    return TorchExecutor(draft.eval(), **kw), TorchExecutor(ref.eval(), **kw)
+    draft, ref = tiny_int4_pair(TINY, top_k)
+    assert isinstance(draft.model.lm_head, RescoredInt4Head)
+    return draft, ref
 
 
 def _run(ex: TorchExecutor, prompt: list[int], glue: list[int], forks: list[int]) -> tuple[torch.Tensor, ...]:

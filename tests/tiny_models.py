@@ -27,3 +27,28 @@ def make_tiny_llama(path: Path, seed: int, vocab: int = 64, hidden: int = 32, la
                 p.copy_(q + noise * torch.randn_like(q))
     model.save_pretrained(path)
     return path
+
+
+def tiny_int4_pair(cfg, top_k: int = 0, seed: int = 0, **executor_options):
+    """(int4 executor, fp32 executor) over identical random weights of config ``cfg``: the fp32
+    model holds exactly the dequantized 4-bit groups, so only the int4 path's arithmetic differs.
+    The same seed gives the same weights, so two calls give interchangeable int4 models."""
+    from trtssd.backends.torch_backend import TorchExecutor
+    from trtssd.models.llama import LlamaModel
+    from trtssd.models.quant import groups_from_float, quantize_linears
+
+    gen = torch.Generator().manual_seed(seed)
+    ref = LlamaModel(cfg)
+    groups = {name: groups_from_float(torch.randn(m.out_features, m.in_features, generator=gen) * 0.2)
+              for name, m in ref.linears()}
+    plain = {"embed.weight": torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen),
+             "norm.weight": 1 + 0.1 * torch.randn(cfg.hidden_size, generator=gen)}
+    for i in range(cfg.num_layers):
+        for norm in ("attn_norm", "mlp_norm"):
+            plain[f"layers.{i}.{norm}.weight"] = 1 + 0.1 * torch.randn(cfg.hidden_size, generator=gen)
+    dequantized = {f"{name}.weight": g.dequantize() for name, g in groups.items()}
+    ref.load_weights({**plain, **dequantized})
+    draft = quantize_linears(LlamaModel(cfg), groups, head_top_k=top_k)
+    draft.load_weights({**plain, "lm_head.weight": dequantized["lm_head.weight"]})
+    kw = {"max_seqs": 2, "max_seq_len": 64, **executor_options}
+    return TorchExecutor(draft.eval(), **kw), TorchExecutor(ref.eval(), **kw)

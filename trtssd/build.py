@@ -35,6 +35,7 @@ from typing import Any, Mapping
 
 import torch
 
+from trtssd.kernels.int4_draft import DEFAULT_MAX_TOKENS as FUSED_MAX_TOKENS
 from trtssd.models.config import ModelConfig, RopeConfig
 
 log = logging.getLogger(__name__)
@@ -278,8 +279,11 @@ def _write_draft(source: Path, dest: Path, progress: bool) -> dict:
     }
 
 
-def load_draft_model(engine_dir: str | os.PathLike, manifest: Mapping[str, Any] | None = None):
-    """The draft ``LlamaModel`` with Int4Linear projections, from an engine directory."""
+def load_draft_model(engine_dir: str | os.PathLike, manifest: Mapping[str, Any] | None = None, *,
+                     fused: bool = True):
+    """The draft ``LlamaModel`` with Int4Linear projections, from an engine directory. ``fused``:
+    run few-row forwards through the compiled layers (trtssd.kernels.int4_draft; compiled on
+    first use); when they cannot be built the torch layers are used and a warning says why."""
     from safetensors.torch import load_file
 
     from trtssd.models.llama import LlamaModel
@@ -303,7 +307,18 @@ def load_draft_model(engine_dir: str | os.PathLike, manifest: Mapping[str, Any] 
             raise ValueError(f"{engine_dir / draft['path']}: missing tensor {err}; rebuild the engine") from None
     quantize_linears(model, groups, head_top_k=draft["head_top_k"])
     model.load_weights({k[len("param."):]: v for k, v in stored.items() if k.startswith("param.")})
+    if fused:
+        _attach_fused_layers(model)
     return model.eval()
+
+
+def _attach_fused_layers(model) -> None:
+    from trtssd.kernels.int4_draft import FusedInt4Layers
+
+    try:
+        model.fused_layers = FusedInt4Layers.from_model(model)
+    except Exception as err:  # noqa: BLE001 - a speed-up only: the torch layers compute the same
+        log.warning("draft runs on the torch layers only; fused int4 layers unavailable: %s", err)
 
 
 # -- build ------------------------------------------------------------------------------------
@@ -416,6 +431,18 @@ def _build(recipe: Recipe, engine: Path, fingerprint: dict, progress: bool) -> N
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
+    _prepare_compiled_layers()
+
+
+def _prepare_compiled_layers() -> None:
+    """Compile the draft's fused layers now (cached per machine by torch), so the first draft rank
+    does not spend its start-up on it; a failure only means the draft will use the torch layers."""
+    from trtssd.kernels.int4_draft import load_extension
+
+    try:
+        load_extension()
+    except Exception as err:  # noqa: BLE001 - reported again, with the reason, when a draft loads
+        log.warning("could not compile the draft's fused int4 layers (the torch layers will be used): %s", err)
 
 
 def _make_readable(root: Path) -> None:
@@ -469,6 +496,8 @@ def _manifest(recipe: Recipe, fingerprint: dict, draft_notes: dict, tokenizer: d
             "dtype": "float32 activations, KV, norms and attention; bfloat16 inside int4 projections",
             "projections": "int4 weight-only, 32-wide groups with scale and zero, aten._weight_int4pack_mm_for_cpu",
             "lm_head": f"int4, top-{recipe.head_top_k} rows re-scored in fp32",
+            "execution": f"forwards of up to {FUSED_MAX_TOKENS} tokens: compiled layers "
+                         "(trtssd/kernels/int4_draft.cpp, built on first load); wider ones: torch layers",
             "head_top_k": recipe.head_top_k,
             "config": cfg,
             **draft_notes,
@@ -492,8 +521,10 @@ def _target_config(path: Path) -> ModelConfig:
 # -- load -------------------------------------------------------------------------------------
 
 
-def load_side(engine_dir: str | os.PathLike, side: str, *, max_seqs: int = 4, max_seq_len: int = 2048, **executor_options):
-    """One side's executor ("target": fp32 TorchExecutor; "draft": the int4 TorchExecutor)."""
+def load_side(engine_dir: str | os.PathLike, side: str, *, max_seqs: int = 4, max_seq_len: int = 2048,
+              fused: bool = True, **executor_options):
+    """One side's executor ("target": fp32 TorchExecutor; "draft": the int4 TorchExecutor, with the
+    compiled few-row layers unless ``fused`` is False)."""
     from trtssd.backends.torch_backend import TorchExecutor
 
     engine_dir = Path(engine_dir)
@@ -503,7 +534,8 @@ def load_side(engine_dir: str | os.PathLike, side: str, *, max_seqs: int = 4, ma
             engine_dir / manifest["target"]["path"], max_seqs=max_seqs, max_seq_len=max_seq_len, **executor_options
         )
     if side == "draft":
-        return TorchExecutor(load_draft_model(engine_dir, manifest), max_seqs=max_seqs, max_seq_len=max_seq_len, **executor_options)
+        model = load_draft_model(engine_dir, manifest, fused=fused)
+        return TorchExecutor(model, max_seqs=max_seqs, max_seq_len=max_seq_len, **executor_options)
     raise ValueError(f"side must be 'target' or 'draft', got {side!r}")
 
 
@@ -518,12 +550,14 @@ def load_engine_tokenizer(engine_dir: str | os.PathLike):
     return AutoTokenizer.from_pretrained(str(engine_dir / tokenizer["path"]))
 
 
-def load_engine(engine_dir: str | os.PathLike, *, max_seqs: int = 4, max_seq_len: int = 2048) -> LoadedEngine:
-    """Target executor, draft executor, tokenizer and manifest of an engine directory."""
+def load_engine(engine_dir: str | os.PathLike, *, max_seqs: int = 4, max_seq_len: int = 2048,
+                fused: bool = True) -> LoadedEngine:
+    """Target executor, draft executor, tokenizer and manifest of an engine directory (``fused``:
+    see ``load_side``)."""
     engine_dir = Path(engine_dir)
     return LoadedEngine(
         target=load_side(engine_dir, "target", max_seqs=max_seqs, max_seq_len=max_seq_len),
-        draft=load_side(engine_dir, "draft", max_seqs=max_seqs, max_seq_len=max_seq_len),
+        draft=load_side(engine_dir, "draft", max_seqs=max_seqs, max_seq_len=max_seq_len, fused=fused),
         tokenizer=load_engine_tokenizer(engine_dir),
         manifest=load_manifest(engine_dir),
     )

@@ -271,6 +271,9 @@ class LlamaModel(nn.Module):
         self.lm_head = make_linear("lm_head", cfg.hidden_size, cfg.vocab_size, False)
         # Kept out of the parameters/buffers so .to(bfloat16) leaves it fp32.
         self.inv_freq = cfg.rope.inv_freq(cfg.head_dim)
+        # Optional compiled stand-in for ``layers`` on few-row forwards (the int4 draft on CPU:
+        # trtssd.kernels.int4_draft.FusedInt4Layers); holds references to the same weights.
+        self.fused_layers = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -326,6 +329,8 @@ class LlamaModel(nn.Module):
         (k, v) pool pair per layer, each [rows, Hkv, max_len, D])."""
         x = self.embed(tokens)
         cos, sin = rope_tables(self.inv_freq, batch.positions, x.dtype)
+        if self.fused_layers is not None and self.fused_layers.accepts(tokens.numel(), batch):
+            return self.fused_layers(x, batch, cos, sin, kv)
         for layer, (k_cache, v_cache) in zip(self.layers, kv):
             x = layer(x, batch, cos, sin, k_cache, v_cache)
         return x

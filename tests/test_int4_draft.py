@@ -1,0 +1,127 @@
+"""The compiled int4 draft layers (trtssd/kernels/int4_draft.cpp) against the torch layers they
+stand in for, and against the dequantized fp32 model, through the executor protocol."""
+
+import pytest
+import torch
+
+from tiny_models import tiny_int4_pair
+from trtssd.backends.base import Chunk, chain_chunk
+from trtssd.kernels.int4_draft import FusedInt4Layers, ineligible_reason
+from trtssd.models.config import ModelConfig, RopeConfig
+from trtssd.models.llama import LlamaModel
+
+# Eligible shapes (hidden a multiple of 32); GQA with 2 query heads per KV head.
+CFG = ModelConfig(
+    arch="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
+    num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope=RopeConfig(theta=10000.0), tie_word_embeddings=False,
+)
+
+
+def _fused_pair(max_tokens: int = 8):
+    """(int4 executor with fused layers, int4 executor without, fp32 reference): same weights."""
+    fused, ref = tiny_int4_pair(CFG, seed=1)
+    plain, _ = tiny_int4_pair(CFG, seed=1)
+    fused.model.fused_layers = FusedInt4Layers.from_model(fused.model, max_tokens=max_tokens)
+    return fused, plain, ref
+
+
+def _scenario(ex) -> list[torch.Tensor]:
+    """Two sequences: prefill (wider than the fused limit), a glue chain, a tree step where each
+    fork sees only its own glue prefix, a second tree step, and one forward over both sequences
+    at once (different prefix lengths: the batched visibility path)."""
+    outs = []
+    prompts = {0: list(range(3, 40, 3)), 1: list(range(50, 60))}
+    for sid, prompt in prompts.items():
+        ex.add_sequence(sid)
+        outs.append(ex.forward([chain_chunk(sid, prompt, 0, last_logits_only=True)])[0])
+        ex.commit(sid, len(prompt))
+    n = len(prompts[0])
+    glue = [5, 7, 9, 11]
+    outs.append(ex.forward([chain_chunk(0, glue, n)])[0])
+    depths = torch.tensor([0, 1, 3])
+    g, nb = len(glue), len(depths)
+    for step, toks in enumerate(([20, 21, 22], [30, 31, 32])):
+        width = g + (step + 1) * nb
+        mask = torch.zeros(nb, width, dtype=torch.bool)
+        mask[:, :g] = torch.arange(g)[None] <= depths[:, None]
+        for d in range(step + 1):
+            mask[torch.arange(nb), g + d * nb + torch.arange(nb)] = True
+        slots = n + g + step * nb + torch.arange(nb)
+        outs.append(ex.forward([Chunk(0, torch.tensor(toks), n + depths + 1 + step, slots, mask)])[0])
+    ex.commit(0, 2)
+    m = len(prompts[1])
+    both = [chain_chunk(0, [40, 41], n + 2), chain_chunk(1, [42, 43, 44], m)]
+    outs.extend(ex.forward(both))
+    return outs
+
+
+@pytest.fixture(scope="module")
+def runs():
+    fused, plain, ref = _fused_pair()
+    return _scenario(fused), _scenario(plain), _scenario(ref), (fused, plain)
+
+
+def test_fused_layers_match_torch_int4_layers(runs):
+    fused, plain, _, _ = runs
+    for a, b in zip(fused, plain):
+        scale = b.abs().max().item()
+        # Same int4 matmuls; only fp32 summation order differs (norms, attention), which can flip
+        # a bf16 rounding of a projection input now and then.
+        assert (a - b).abs().max().item() < 2e-3 * scale
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_fused_layers_match_dequantized_model(runs):
+    fused, _, ref, _ = runs
+    for a, b in zip(fused, ref):
+        scale = b.abs().max().item()
+        assert (a - b).abs().max().item() < 0.03 * scale  # the int4 path's own bf16 error budget
+
+
+def test_fused_layers_write_the_same_kv(runs):
+    _, _, _, (fused, plain) = runs
+    for (k1, v1), (k2, v2) in zip(fused._kv, plain._kv):
+        assert torch.allclose(k1, k2, atol=2e-2, rtol=2e-2)
+        assert torch.allclose(v1, v2, atol=2e-2, rtol=2e-2)
+        assert (k1 != 0).sum() == (k2 != 0).sum()  # the same slots written, no others
+
+
+def test_tree_branches_do_not_see_each_other():
+    """A fork's logits must not change when a sibling branch's token changes."""
+    outs = []
+    for sibling in (21, 70):
+        fused, _, _ = _fused_pair()
+        fused.add_sequence(0)
+        fused.forward([chain_chunk(0, [1, 2, 3, 4], 0)])
+        fused.commit(0, 4)
+        mask = torch.tensor([[True, False], [False, True]])
+        chunk = Chunk(0, torch.tensor([20, sibling]), torch.tensor([4, 4]), torch.tensor([4, 5]), mask)
+        outs.append(fused.forward([chunk])[0])
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert not torch.allclose(outs[0][1], outs[1][1])
+
+
+def test_wide_forwards_use_the_torch_layers():
+    fused, plain, _ = _fused_pair(max_tokens=2)
+    calls = []
+    layers = fused.model.fused_layers
+    fused.model.fused_layers = type("Spy", (), {
+        "accepts": lambda self, n, b: layers.accepts(n, b),
+        "__call__": lambda self, *a: calls.append(a[0].shape[0]) or layers(*a),
+    })()
+    for ex in (fused, plain):
+        ex.add_sequence(0)
+        ex.forward([chain_chunk(0, [1, 2, 3, 4, 5], 0)])
+        ex.commit(0, 5)
+        ex.forward([chain_chunk(0, [6, 7], 5)])
+    assert calls == [2]
+
+
+def test_ineligible_models_are_refused_with_a_reason():
+    model = LlamaModel(CFG)  # fp32 Linear projections, not int4
+    assert "not Int4Linear" in ineligible_reason(model)
+    with pytest.raises(ValueError, match="not Int4Linear"):
+        FusedInt4Layers.from_model(model)
+    fused, _ = tiny_int4_pair(CFG)
+    with pytest.raises(ValueError, match="max_tokens"):
+        FusedInt4Layers.from_model(fused.model, max_tokens=0)

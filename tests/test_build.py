@@ -21,6 +21,7 @@ from trtssd.build import (
     file_sha256,
     load_engine,
     load_manifest,
+    load_side,
     resolve_recipe,
 )
 
@@ -100,6 +101,7 @@ def test_engine_layout_and_manifest(built):
     assert manifest["draft"]["projections_requantized"] == ["lm_head"]
     assert manifest["tokenizer"]["vocab_size"] == 261 and manifest["tokenizer"]["num_merges"] == 4
     assert set(manifest["build"]["outputs"]) == {TARGET_FILE, DRAFT_FILE}
+    assert "int4_draft.cpp" in manifest["draft"]["execution"]
 
 
 def test_rebuild_is_a_noop_unless_inputs_change(built, caplog):
@@ -136,6 +138,12 @@ def test_loaded_draft_agrees_with_target(built):
     assert (draft.argmax(-1) == target.argmax(-1)).all()
     top = target.topk(4, dim=-1).indices
     assert (draft.gather(1, top) - target.gather(1, top)).abs().max() < 0.02 * target.abs().max()
+
+
+def test_draft_loads_with_compiled_layers_unless_asked_not_to(built):
+    _, engine = built
+    assert load_side(engine, "draft", max_seqs=1, max_seq_len=64).model.fused_layers is not None
+    assert load_side(engine, "draft", max_seqs=1, max_seq_len=64, fused=False).model.fused_layers is None
 
 
 def test_tokenizer_mismatch_is_refused(built, tmp_path):

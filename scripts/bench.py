@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark harness: ``python scripts/bench.py ...`` is ``trtssd bench ...`` (see trtssd/bench.py).
+"""Benchmark harness: ``python scripts/bench.py ...`` is ``trtssd bench ...`` (see trtssd/bench/).
 
     python scripts/bench.py --quick --out bench-out
 """

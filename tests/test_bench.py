@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from trtssd import bench
+from trtssd.bench import runners
 from trtssd.bench import (BatchRecord, BenchConfig, BenchReport, RequestRecord, RunKey, RunResult, attach_comparisons,
                           compare_with_plan, encode_prompts, hf_source, load_prompt_set, per_token_latencies,
                           percentile, plan_instances, read_jsonl, render_markdown, summarize,
@@ -98,16 +99,16 @@ def test_per_token_latencies_split_a_round_evenly():
 
 
 def test_record_from_emissions():
-    rec = bench._record("p", [1, 2, 3], [5, 6, 7, 8], "length", [(10.0, 0), (10.5, 1), (10.7, 0), (11.5, 3)])
+    rec = runners._record("p", [1, 2, 3], [5, 6, 7, 8], "length", [(10.0, 0), (10.5, 1), (10.7, 0), (11.5, 3)])
     assert rec.ttft_s == pytest.approx(0.5) and rec.e2e_s == pytest.approx(1.5)
     assert rec.token_latencies_s == pytest.approx((1 / 3, 1 / 3, 1 / 3)) and rec.prompt_tokens == 3
     assert rec.deliveries == 2 and rec.first_delivery_tokens == 1
-    first_round = bench._record("p", [1], list(range(7)), "length", [(0.0, 0), (1.0, 4), (1.5, 3)])
+    first_round = runners._record("p", [1], list(range(7)), "length", [(0.0, 0), (1.0, 4), (1.5, 3)])
     assert first_round.first_delivery_tokens == 4 and first_round.token_latencies_s == pytest.approx((0.5 / 3,) * 3)
     s = summarize([BatchRecord((first_round,), 1.5, 1.0)], None)
     assert s["decode_tokens_per_s"] == pytest.approx(3 / 0.5)  # the 4 tokens of the first delivery excluded
     with pytest.raises(RuntimeError, match="no tokens"):
-        bench._record("p", [1], [], "length", [(0.0, 0)])
+        runners._record("p", [1], [], "length", [(0.0, 0)])
 
 
 def test_percentile_interpolates_linearly():
@@ -200,13 +201,13 @@ def test_hf_source_resolves_gguf_hf_dirs_and_engine_manifests(tmp_path):
         hf_source(str(engine), "draft")
     with pytest.raises(ValueError, match="neither"):
         hf_source(str(tmp_path / "missing"))
-    assert not bench._is_self_draft(str(engine))
+    assert not runners._is_self_draft(str(engine))
     (engine / "manifest.json").write_text(json.dumps({"draft": {"backend": "torch-int4"}}))
-    assert bench._is_self_draft(str(engine)) and not bench._is_self_draft(str(hf))
+    assert runners._is_self_draft(str(engine)) and not runners._is_self_draft(str(hf))
 
 
 def test_timing_streamer_skips_the_prompt_and_counts_tokens():
-    s = bench._TimingStreamer(0.0)
+    s = runners._TimingStreamer(0.0)
     s.put(torch.zeros(2, 7))  # the prompt
     s.put(torch.zeros(2))  # greedy step for a batch of 2: one token each
     s.put(torch.zeros(1, 3))  # assisted: three tokens at once

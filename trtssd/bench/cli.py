@@ -1,0 +1,113 @@
+"""The `trtssd bench` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+from trtssd.bench.config import ALL_SYSTEMS, BenchConfig
+from trtssd.bench.prompts import BUILTIN_SETS, load_prompt_set
+from trtssd.bench.report import render_markdown, write_report
+from trtssd.bench.sweep import run_benchmark
+
+log = logging.getLogger(__name__)
+
+
+PRESETS = {
+    # The default: a few minutes per system on a 2-core CPU.
+    "quick": dict(prompts_per_set=4, max_tokens=64, batch_sizes=(1,), temperatures=(0.0,)),
+    # The issue's matrix: batch sizes 1..8, greedy and sampled (hours on a 2-core CPU).
+    "full": dict(prompts_per_set=16, max_tokens=128, batch_sizes=(1, 2, 4, 8), temperatures=(0.0, 0.8)),
+}
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints; got {text!r}") from None
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers; got {text!r}") from None
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="trtssd bench", description=__doc__.split("\n\n")[0])
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="4 prompts per set x 64 tokens, batch 1, greedy (default)")
+    size.add_argument("--full", action="store_true", help="16 prompts x 128 tokens, batch 1,2,4,8, temperature 0,0.8")
+    p.add_argument("--engine", default=None, help="engine directory (default: the embedded SmolLM2 engine)")
+    p.add_argument("--target", default=None, help="target model path instead of an engine")
+    p.add_argument("--draft", default=None, help="draft model path (with --target)")
+    p.add_argument("--systems", type=_names, default=ALL_SYSTEMS, help=f"subset of {','.join(ALL_SYSTEMS)}")
+    p.add_argument("--datasets", type=_names, default=BUILTIN_SETS,
+                   help=f"built-in sets ({','.join(BUILTIN_SETS)}) and/or JSONL files")
+    p.add_argument("--prompts", type=int, help="prompts per set (--quick 4, --full 16)")
+    p.add_argument("--max-tokens", type=int, help="output tokens per prompt (--quick 64, --full 128)")
+    p.add_argument("--batch", type=_ints, help="batch sizes, e.g. 1,2,4,8")
+    p.add_argument("--temperature", type=_floats, help="temperatures, e.g. 0,0.8")
+    p.add_argument("--k", type=_ints, default=(5,), help="lookaheads (sweep: 3,5,7)")
+    p.add_argument("--budget", type=_ints, default=(12,), help="ssd fan-out budgets (sweep: 6,12,24)")
+    p.add_argument("--backup", choices=("auto", "neural", "fast"), default="auto")
+    p.add_argument("--allow-eos", action="store_true", help="stop at EOS (default: exactly --max-tokens tokens)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--peer-threads", type=int, default=1, help="torch threads for the transformers peers")
+    p.add_argument("--hf-target", default=None, help="transformers source of the target (dir or .gguf)")
+    p.add_argument("--hf-draft", default=None, help="transformers source of the assistant model")
+    p.add_argument("--no-calibrate", action="store_true", help="skip forward timing and the plan comparison")
+    p.add_argument("--handshake-s", type=float, default=None, help="plan: fixed handshake seconds")
+    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--shared-cores", action="store_true",
+                   help="trtssd ranks each use every core (threads = cores) instead of one core each")
+    p.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
+    p.add_argument("--log-level", default="WARNING")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    preset = dict(PRESETS["full" if args.full else "quick"])
+    for arg, name in (("prompts", "prompts_per_set"), ("max_tokens", "max_tokens"), ("batch", "batch_sizes"),
+                      ("temperature", "temperatures")):
+        if getattr(args, arg) is not None:
+            preset[name] = getattr(args, arg)
+    return BenchConfig(
+        engine=args.engine, target=args.target, draft=args.draft, systems=args.systems, datasets=args.datasets,
+        ks=args.k, budgets=args.budget, backup=args.backup, ignore_eos=not args.allow_eos, seed=args.seed,
+        warmup=not args.no_warmup, peer_threads=args.peer_threads, shared_cores=args.shared_cores, hf_target=args.hf_target, hf_draft=args.hf_draft,
+        calibrate=not args.no_calibrate, handshake_s=args.handshake_s, out_dir=Path(args.out),
+        plots=not args.no_plots, **preset)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cfg = config_from_args(args)
+        for ds in cfg.datasets:  # fail fast on a bad dataset, before loading any model
+            load_prompt_set(ds, 1)
+    except ValueError as err:
+        parser.error(str(err))
+        return 2
+    # The process's own command line (python -m ..., trtssd bench ..., scripts/bench.py ...).
+    report = run_benchmark(cfg, shlex.join(sys.argv))
+    for path in write_report(report, cfg.out_dir, cfg.plots):
+        log.warning("wrote %s", path)
+    sys.stdout.write(render_markdown(report))
+    return 0 if any(r.error is None for r in report.runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

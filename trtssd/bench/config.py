@@ -1,0 +1,101 @@
+"""The benchmark configuration and the plan of which system instances run which cells."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from trtssd.bench.prompts import BUILTIN_SETS
+from trtssd.bench.records import RunKey
+
+log = logging.getLogger(__name__)
+
+
+TRTSSD_SYSTEMS = ("ar", "sd", "ssd")
+HF_SYSTEMS = ("hf-greedy", "hf-assisted")
+ALL_SYSTEMS = TRTSSD_SYSTEMS + HF_SYSTEMS + ("llama-cpp",)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    engine: str | None = None  # engine directory; None with no target = the embedded default engine
+    target: str | None = None  # model path (HF dir or .gguf) instead of an engine (tests: tiny models)
+    draft: str | None = None  # draft model path, with target
+    systems: tuple[str, ...] = ALL_SYSTEMS
+    datasets: tuple[str, ...] = BUILTIN_SETS
+    prompts_per_set: int = 4  # modest by default: this is meant to run on a 2-core CPU
+    max_tokens: int = 64
+    batch_sizes: tuple[int, ...] = (1,)
+    temperatures: tuple[float, ...] = (0.0,)
+    ks: tuple[int, ...] = (5,)  # lookaheads for sd, ssd and hf-assisted
+    budgets: tuple[int, ...] = (12,)  # fan-out budgets for ssd ("auto" fan-out within each budget)
+    backup: str = "auto"  # ssd miss policy
+    ignore_eos: bool = True  # generate exactly max_tokens so every system does the same work
+    seed: int = 0  # sampling seed base (temperature > 0)
+    warmup: bool = True  # one short untimed request per loaded system
+    peer_threads: int = 1  # torch threads for the transformers peers (trtssd: one per rank)
+    shared_cores: bool = False  # trtssd ranks each get every core (threads = cores), shared
+    hf_target: str | None = None  # override: transformers source of the target (dir or .gguf)
+    hf_draft: str | None = None  # override: transformers source of the assistant
+    calibrate: bool = True  # time forward passes afterwards and compare the plan with the runs
+    handshake_s: float | None = None  # plan: fixed handshake instead of the one inferred from sd runs
+    out_dir: Path = Path("bench-out")
+    plots: bool = True
+
+    def __post_init__(self) -> None:
+        bad = [s for s in self.systems if s not in ALL_SYSTEMS]
+        if bad or not self.systems:
+            raise ValueError(f"systems must be a non-empty subset of {ALL_SYSTEMS}; got {list(self.systems)}")
+        if self.engine is not None and self.target is not None:
+            raise ValueError("give either engine or target/draft, not both")
+        if self.draft is not None and self.target is None:
+            raise ValueError("draft needs target")
+        for name in ("batch_sizes", "ks", "budgets"):
+            values = getattr(self, name)
+            if not values or any(not isinstance(v, int) or v < 1 for v in values):
+                raise ValueError(f"{name} must be a non-empty list of ints >= 1; got {values!r}")
+        if not self.temperatures or any(not 0 <= t <= 10 for t in self.temperatures):
+            raise ValueError(f"temperatures must be a non-empty list of numbers in [0, 10]; got {self.temperatures!r}")
+        if self.max_tokens < 1 or self.prompts_per_set < 1 or self.peer_threads < 1:
+            raise ValueError("max_tokens, prompts_per_set and peer_threads must be >= 1")
+        if self.backup not in ("auto", "neural", "fast"):
+            raise ValueError(f"backup must be 'auto', 'neural' or 'fast'; got {self.backup!r}")
+
+    def model_refs(self):
+        """(target, draft) ModelRefs exactly as the LLM resolves them."""
+        from trtssd.backends.loading import resolve_models
+        from trtssd.config import ModelRef
+
+        target = ModelRef(self.target) if self.target else None
+        draft = ModelRef(self.draft) if self.draft else None
+        return resolve_models(self.engine, target, draft)
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One loaded system and the cells it runs (trtssd: one LLM per mode/K/budget)."""
+
+    system: str  # "ar", "sd", "ssd", "hf" (both transformers peers share the loaded models) or "llama-cpp"
+    k: int | None
+    budget: int | None
+    keys: tuple[RunKey, ...]
+
+
+def plan_instances(cfg: BenchConfig) -> list[Instance]:
+    """Group the sweep's cells by the system instance that runs them."""
+    cells = []
+    for system in cfg.systems:
+        ks = cfg.ks if system in ("sd", "ssd", "hf-assisted") else (None,)
+        budgets = cfg.budgets if system == "ssd" else (None,)
+        for k in ks:
+            for budget in budgets:
+                cells += [RunKey(system, ds, b, t, k, budget)
+                          for ds in cfg.datasets for b in cfg.batch_sizes for t in cfg.temperatures]
+    groups: dict[tuple, list[RunKey]] = {}
+    for key in cells:
+        if key.system in HF_SYSTEMS:
+            groups.setdefault(("hf", None, None), []).append(key)
+        else:
+            groups.setdefault((key.system, key.k, key.budget), []).append(key)
+    return [Instance(s, k, b, tuple(keys)) for (s, k, b), keys in groups.items()]

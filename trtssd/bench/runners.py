@@ -1,0 +1,261 @@
+"""Runners, one per loaded system: trtssd's LLM, transformers (greedy and assisted), llama.cpp."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Sequence
+
+from trtssd.bench.config import BenchConfig
+from trtssd.bench.records import BatchRecord, RequestRecord, RunKey, per_token_latencies
+from trtssd.runtime.metrics import SpecMetrics
+
+log = logging.getLogger(__name__)
+
+
+class TrtssdRunner:
+    """One LLM (one mode, K and fan-out budget); closed before the next is started."""
+
+    def __init__(self, cfg: BenchConfig, mode: str, k: int | None, budget: int | None, max_seq_len: int):
+        from trtssd.config import ModelRef
+        from trtssd.llm import LLM
+
+        options = dict(mode=mode, max_batch=max(cfg.batch_sizes), max_seq_len=max_seq_len)
+        if cfg.shared_cores:  # e.g. "sd given both cores": each rank runs on all of them in turn
+            cores = tuple(sorted(os.sched_getaffinity(0)))
+            options.update(target_threads=len(cores), draft_threads=len(cores), target_cores=cores, draft_cores=cores)
+        if mode != "ar":
+            options.update(k=k, backup=cfg.backup)
+        if mode == "ssd":
+            options.update(fanout_budget=budget)
+        self.llm = LLM(cfg.engine, target=ModelRef(cfg.target) if cfg.target else None,
+                       draft=ModelRef(cfg.draft) if cfg.draft else None, **options)
+
+    def run_batch(self, key: RunKey, prompts: Sequence[list[int]], ids: Sequence[str], cfg: BenchConfig,
+                  seed: int) -> tuple[BatchRecord, SpecMetrics]:
+        from trtssd.sampling import SamplingParams
+
+        # Drives the engine step by step (rather than LLM.generate) to time every emission.
+        engine = self.llm.engine
+        params = [SamplingParams(temperature=key.temperature, max_tokens=cfg.max_tokens, ignore_eos=cfg.ignore_eos,
+                                 seed=seed + i if key.temperature > 0 else None) for i in range(len(prompts))]
+        start = time.perf_counter()
+        seq_ids = [engine.add_request(list(p), sp) for p, sp in zip(prompts, params)]
+        emissions: dict[int, list[tuple[float, int]]] = {s: [(start, 0)] for s in seq_ids}
+        while engine.has_unfinished():
+            outs = engine.step()
+            now = time.perf_counter()
+            # One step may hold several outputs for a sequence (admission's first token and the
+            # first round's): they reach the caller together, as one delivery.
+            new = dict.fromkeys(seq_ids, 0)
+            for o in outs:
+                new[o.seq_id] += len(o.new_token_ids)
+            for sid, n in new.items():
+                if n:
+                    emissions[sid].append((now, n))
+        wall = time.perf_counter() - start
+        metrics = SpecMetrics()
+        records = []
+        for sid, pid, prompt in zip(seq_ids, ids, prompts):
+            seq = engine.pop_finished(sid)
+            metrics.merge(seq.metrics)
+            records.append(_record(pid, prompt, seq.output, seq.finish_reason, emissions[sid]))
+        return BatchRecord(tuple(records), wall, max(r.ttft_s for r in records)), metrics
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def _record(prompt_id: str, prompt: Sequence[int], output: Sequence[int], finish: str,
+            emissions: list[tuple[float, int]]) -> RequestRecord:
+    """emissions[0] is (request start, 0); then (time, new tokens) per delivery."""
+    start = emissions[0][0]
+    delivered = [e for e in emissions[1:] if e[1] > 0]
+    if not delivered:
+        raise RuntimeError(f"request {prompt_id!r} produced no tokens")
+    return RequestRecord(prompt_id, len(prompt), tuple(int(t) for t in output), finish or "unknown",
+                         delivered[0][0] - start, delivered[-1][0] - start,
+                         tuple(per_token_latencies(delivered)), len(delivered), delivered[0][1])
+
+
+def hf_source(path: str, side: str = "target") -> tuple[str, dict]:
+    """(from_pretrained path, kwargs) of a model transformers can load: an HF directory, a .gguf
+    file, or the file an engine's manifest records for ``side``."""
+    p = Path(path)
+    if p.suffix == ".gguf" and p.is_file():
+        return str(p.parent), {"gguf_file": p.name}
+    if (p / "config.json").is_file():
+        return str(p), {}
+    manifest = p / "manifest.json"
+    if manifest.is_file():
+        data = json.loads(manifest.read_text())
+        entry = data.get(side, {}) if isinstance(data.get(side), dict) else {}
+        for field_name in ("source", "gguf", "hf_dir", "path", "weights"):
+            value = entry.get(field_name) or data.get(f"{side}_{field_name}")
+            if isinstance(value, str):
+                candidate = (p / value) if not Path(value).is_absolute() else Path(value)
+                if candidate.exists() and candidate != p:
+                    return hf_source(str(candidate), side)
+        raise ValueError(f"engine manifest {manifest} names no transformers-loadable {side} model "
+                         f"(looked for source/gguf/hf_dir/path/weights in {sorted(entry) or sorted(data)})")
+    raise ValueError(f"{path} is neither a .gguf file, a transformers directory nor an engine directory")
+
+
+def _is_self_draft(path: str) -> bool:
+    """An engine whose draft is the target's own weights, quantized (trtssd.build's int4 draft)."""
+    manifest = Path(path) / "manifest.json"
+    if not manifest.is_file():
+        return False
+    draft = json.loads(manifest.read_text()).get("draft", {})
+    return isinstance(draft, dict) and draft.get("backend") == "torch-int4"
+
+
+class _TimingStreamer:
+    """A transformers streamer that timestamps each delivery (the first put is the prompt)."""
+
+    def __init__(self, start: float):
+        self.events: list[tuple[float, int]] = [(start, 0)]
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        now = time.perf_counter()
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        n = value.shape[-1] if value.dim() == 2 else 1  # greedy: [batch]; assisted: [1, n]
+        self.events.append((now, int(n)))
+
+    def end(self) -> None:
+        pass
+
+
+class HFRunner:
+    """transformers' own decoding: greedy/sampled `generate`, and assisted generation."""
+
+    def __init__(self, cfg: BenchConfig, needs_assistant: bool):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(cfg.peer_threads)
+        target_ref, draft_ref = cfg.model_refs()
+        path, kwargs = hf_source(cfg.hf_target or target_ref.path, "target")
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
+        self.assistant = None
+        self.assistant_note = ""
+        self.assistant_error: str | None = None
+        if needs_assistant:
+            try:
+                self.assistant, self.assistant_note = self._load_assistant(cfg, target_ref, draft_ref)
+            except ValueError as err:
+                self.assistant_error = f"draft not expressible as a transformers model: {err}"
+            except Exception as err:  # noqa: BLE001 - hf-greedy still runs without the assistant
+                log.exception("could not load the assistant model")
+                self.assistant_error = f"assistant failed to load: {type(err).__name__}: {err}"
+
+    @staticmethod
+    def _load_assistant(cfg: BenchConfig, target_ref, draft_ref):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if cfg.hf_draft:
+            path, kwargs = hf_source(cfg.hf_draft, "draft")
+            dtype, note = torch.float32, f"assistant = {cfg.hf_draft} (given)"
+        else:
+            target_src = hf_source(cfg.hf_target or target_ref.path, "target")
+            path, kwargs = target_src if _is_self_draft(draft_ref.path) else hf_source(draft_ref.path, "draft")
+            # A self-draft (the target's own 4-bit codes run with bf16 activations) has no
+            # transformers int4 CPU path; the closest expression is the same weights in bf16.
+            same = (path, kwargs) == target_src
+            dtype = torch.bfloat16 if same else torch.float32
+            note = ("assistant = the target's weights dequantized, run in bf16 (self-draft)" if same
+                    else f"assistant = {path} {kwargs or ''}".strip())
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).eval()
+        return model, note
+
+    def run_batch(self, key: RunKey, prompts: Sequence[list[int]], ids: Sequence[str], cfg: BenchConfig,
+                  seed: int) -> tuple[BatchRecord, None]:
+        import torch
+
+        if key.system == "hf-assisted":
+            if self.assistant is None:
+                raise SkipRun(self.assistant_error or "no assistant model")
+            if len(prompts) > 1:
+                raise SkipRun("transformers' assisted generation supports batch size 1 only")
+        pad = self.model.generation_config.pad_token_id
+        if pad is None:
+            eos = self.model.generation_config.eos_token_id
+            pad = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        kwargs = dict(max_new_tokens=cfg.max_tokens, pad_token_id=pad)
+        if cfg.ignore_eos:
+            kwargs["min_new_tokens"] = cfg.max_tokens
+        if key.temperature > 0:
+            kwargs.update(do_sample=True, temperature=key.temperature, top_k=0, top_p=1.0)
+            torch.manual_seed(seed)
+        else:
+            kwargs["do_sample"] = False
+        if key.system == "hf-assisted":
+            assist = self.assistant.generation_config
+            assist.num_assistant_tokens = key.k  # same lookahead as trtssd, fixed, no early exit
+            assist.num_assistant_tokens_schedule = "constant"
+            assist.assistant_confidence_threshold = 0.0
+            kwargs["assistant_model"] = self.assistant
+        start = time.perf_counter()
+        streamer = _TimingStreamer(start)
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=input_ids, attention_mask=mask, streamer=streamer, **kwargs)
+        wall = time.perf_counter() - start
+        records = []
+        for row, (pid, prompt) in enumerate(zip(ids, prompts)):
+            gen = out[row, width:].tolist()
+            finish = "length" if len(gen) >= cfg.max_tokens else "stop"
+            records.append(_record(pid, prompt, gen, finish, streamer.events))
+        return BatchRecord(tuple(records), wall, max(r.ttft_s for r in records)), None
+
+    def close(self) -> None:
+        self.model = self.assistant = None
+
+
+class LlamaCppRunner:
+    """llama.cpp's own decoding of the same GGUF (llama-cpp-python), batch 1.
+
+    Unverified here: llama-cpp-python is not installed on the development machine.
+    """
+
+    def __init__(self, cfg: BenchConfig):
+        try:
+            from llama_cpp import Llama
+        except ImportError:
+            raise SkipRun("llama.cpp (llama-cpp-python) is not installed") from None
+        path, kwargs = hf_source(cfg.hf_target or cfg.model_refs()[0].path, "target")
+        if "gguf_file" not in kwargs:
+            raise SkipRun("llama.cpp needs a GGUF target")
+        self.model = Llama(model_path=str(Path(path) / kwargs["gguf_file"]), n_ctx=4096,
+                           n_threads=cfg.peer_threads, seed=cfg.seed, verbose=False)
+
+    def run_batch(self, key: RunKey, prompts, ids, cfg: BenchConfig, seed: int) -> tuple[BatchRecord, None]:
+        if len(prompts) > 1:
+            raise SkipRun("the llama.cpp peer runs batch size 1 only")
+        start = time.perf_counter()
+        events = [(start, 0)]
+        tokens: list[int] = []
+        for token in self.model.generate(list(prompts[0]), temp=key.temperature, top_k=0, top_p=1.0, reset=True):
+            events.append((time.perf_counter(), 1))
+            tokens.append(int(token))
+            if len(tokens) >= cfg.max_tokens:
+                break
+        wall = time.perf_counter() - start
+        rec = _record(ids[0], prompts[0], tokens, "length", events)
+        return BatchRecord((rec,), wall, rec.ttft_s), None
+
+    def close(self) -> None:
+        self.model = None
+
+
+class SkipRun(Exception):
+    """This system cannot run this cell; the reason is recorded in the results."""

@@ -54,7 +54,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
 }
 
 struct Shape {
-  int64_t tokens, hidden, heads, kv_heads, head_dim, intermediate, key_len;
+  int64_t tokens, hidden, heads, kv_heads, head_dim, key_len;
   int64_t pool_heads_stride, pool_slot_stride, pool_row_stride;
 };
 
@@ -79,14 +79,14 @@ void attend(const Shape& s, const BFloat16* qkv, int64_t qkv_stride, const float
             const int64_t* rows, const bool* visible, const float* kc, const float* vc, float scale,
             BFloat16* out) {
   const int64_t D = s.head_dim, G = s.heads / s.kv_heads, L = s.key_len;
-  std::vector<float> q(G * D), scores(G * L), acc(G * D);
+  std::vector<float> q(G * D), scores(G * L), acc(G * D), best(G), total(G);
   for (int64_t t = 0; t < s.tokens; ++t) {
     const bool* vis = visible + t * L;
     for (int64_t g = 0; g < s.kv_heads; ++g) {
       for (int64_t j = 0; j < G; ++j)
         rope(qkv + t * qkv_stride + (g * G + j) * D, cos + t * D, sin + t * D, q.data() + j * D, D);
       const int64_t base = rows[t] * s.pool_row_stride + g * s.pool_heads_stride;
-      std::vector<float> best(G, -std::numeric_limits<float>::infinity());
+      std::fill(best.begin(), best.end(), -std::numeric_limits<float>::infinity());
       for (int64_t key = 0; key < L; ++key) {
         if (!vis[key]) continue;
         const float* k = kc + base + key * s.pool_slot_stride;
@@ -101,7 +101,7 @@ void attend(const Shape& s, const BFloat16* qkv, int64_t qkv_stride, const float
         }
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      std::vector<float> total(G, 0.f);
+      std::fill(total.begin(), total.end(), 0.f);
       for (int64_t key = 0; key < L; ++key) {
         if (!vis[key]) continue;
         const float* v = vc + base + key * s.pool_slot_stride;
@@ -161,7 +161,7 @@ at::Tensor decoder_layers(at::Tensor x, const std::vector<at::Tensor>& norms, co
   check(heads % kv_heads == 0 && head_dim % 2 == 0, "heads must be a multiple of kv_heads, head_dim even");
 
   const at::Tensor& pool0 = k_pools[0];
-  Shape s{x.size(0), x.size(1), heads, kv_heads, head_dim, intermediate, visible.size(1),
+  Shape s{x.size(0), x.size(1), heads, kv_heads, head_dim, visible.size(1),
           pool0.stride(1), pool0.stride(2), pool0.stride(0)};
   check(pool0.stride(3) == 1 && pool0.size(3) == head_dim && visible.size(1) <= pool0.size(2),
         "KV pools must be [rows, Hkv, max_len, D] with unit stride in D");

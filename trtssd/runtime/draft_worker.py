@@ -20,11 +20,11 @@ import torch
 
 from trtssd.backends.base import Executor, chain_chunk
 from trtssd.config import Backup, Mode, SpecConfig
+from trtssd.plan import CostCurve, StepCostModel, Timings, Workload, acceptance_from_length, recommend
 from trtssd.runtime.protocol import Outcome, Prefill, SpeculateRequest
 from trtssd.sampling import SamplingParams, make_generator, processed_probs, sample
 from trtssd.spec.backup import BackupCosts, ngram_proposal, prefer_neural
 from trtssd.spec.cache import SpeculationCache
-from trtssd.plan import CostCurve, StepCostModel, Timings, Workload, acceptance_from_length, recommend
 from trtssd.spec.fanout import AcceptanceEstimator, PowerLawEstimator, optimal_fanout
 from trtssd.spec.saguaro import saguaro_probs, select_forks
 from trtssd.spec.tree import TreeLayout, append_chunk

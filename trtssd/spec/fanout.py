@@ -208,4 +208,3 @@ class PowerLawEstimator:
         log_c = np.average(y + r * x, weights=trials)
         c = float(np.clip(math.exp(log_c), self._c_min, 1.0))
         return PowerLaw(c=c, r=r)
-

@@ -34,6 +34,8 @@ def test_cost_curve_interpolates_and_extrapolates_linearly():
     assert c(6) == pytest.approx(0.025)
     assert c(16) == pytest.approx(0.050)  # last slope 0.0025/token continues
     assert CostCurve(((1, 0.02),))(500) == 0.02
+    falling = CostCurve(((1, 0.02), (2, 0.01)))  # noisy calibration: the last segment falls
+    assert falling(5) == falling(100) == 0.01  # bigger passes never predicted cheaper, nor free
     assert CostCurve.parse("1:0.01,4:0.02")(2.5) == pytest.approx(0.015)
     assert CostCurve.parse("0.3")(7) == 0.3
 
@@ -288,6 +290,15 @@ def test_step_cost_model_interpolates_and_follows_load():
     assert m.curve()(16) == pytest.approx(0.180)
     with pytest.raises(ValueError, match="rows >= 1"):
         m.calibrate({0: 0.1})
+
+
+def test_step_cost_model_survives_a_falling_calibration():
+    """Forwards wider than the calibration after a noisy, falling last segment (seen in CI: the
+    draft rank died dividing by a predicted 0 s)."""
+    m = StepCostModel(decay=0.5)
+    m.calibrate({1: 0.002, 2: 0.001})
+    m.observe(40, 0.004)
+    assert m.predict(40) > 0 and m.scale == pytest.approx(2.5)
 
 
 def _budget_plan(calibration: dict[int, float], verify_s: float, a: float, c: float = 0.3, budget: int = 12) -> list[int]:

@@ -67,7 +67,9 @@ class CostCurve:
 
     Piecewise linear through the measured points. Below the first point the first value holds (a
     pass never gets cheaper than the smallest measured one); above the last point the last
-    segment's slope continues (one point: constant, the flat regime of a GPU at small batch).
+    segment's slope continues (one point: constant, the flat regime of a GPU at small batch), but
+    never below the last value: a noisy calibration whose last segment falls must not predict that
+    bigger passes cost less, or nothing.
     """
 
     points: tuple[tuple[float, float], ...]  # (tokens, seconds), strictly increasing tokens
@@ -113,7 +115,7 @@ class CostCurve:
             if tokens <= n1:
                 return s0 + (s1 - s0) * (tokens - n0) / (n1 - n0)
         (n0, s0), (n1, s1) = pts[-2], pts[-1]
-        return max(s1 + (s1 - s0) * (tokens - n1) / (n1 - n0), 0.0)
+        return max(s1 + (s1 - s0) * (tokens - n1) / (n1 - n0), s1)
 
     def to_dict(self) -> dict[str, float]:
         return {_fmt_tokens(n): s for n, s in self.points}

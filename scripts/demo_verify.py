@@ -18,9 +18,9 @@ import logging
 import torch
 
 from trtssd.sampling import SamplingParams, processed_probs, sample
-from trtssd.spec.fanout import AcceptanceEstimator, continuous_fanout, optimal_fanout
-from trtssd.spec.saguaro import saguaro_probs, select_forks_batched
-from trtssd.spec.verify import verify
+from trtssd.spec_decode.fanout import AcceptanceEstimator, continuous_fanout, optimal_fanout
+from trtssd.spec_decode.saguaro import saguaro_probs, select_forks_batched
+from trtssd.spec_decode.verify import verify
 
 log = logging.getLogger("demo_verify")
 

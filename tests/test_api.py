@@ -66,7 +66,7 @@ def test_chat_applies_the_template(llm):
 def test_bad_prompts_are_refused_and_the_engine_keeps_serving(llm, prompt, match):
     with pytest.raises(ValueError, match=match):
         llm.generate(["a good prompt first", prompt], GREEDY)
-    assert not llm.engine.has_unfinished()  # all or nothing: the good prompt was not queued either
+    assert not llm.loop.has_unfinished()  # all or nothing: the good prompt was not queued either
     assert len(llm.generate(["ok"], SamplingParams(temperature=0, max_tokens=2))[0].token_ids) == 2
 
 

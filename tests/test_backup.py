@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trtssd.spec.backup import BackupCosts, ngram_proposal, prefer_neural
+from trtssd.spec_decode.backup import BackupCosts, ngram_proposal, prefer_neural
 
 
 def test_ngram_proposal_continues_the_latest_match():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trtssd.spec.cache import LookupStats, SpeculationCache
+from trtssd.spec_decode.cache import LookupStats, SpeculationCache
 
 
 def _populate(cache, seq_id, keys, k=3, vocab=5, with_probs=True):

@@ -8,7 +8,7 @@ import torch
 from tiny_models import make_tiny_llama
 from trtssd.backends.base import chain_chunk
 from trtssd.backends.torch_backend import TorchExecutor
-from trtssd.config import Mode, SpecConfig
+from trtssd.config import Mode, SpeculativeConfig
 from trtssd.runtime.draft_worker import DraftWorker
 from trtssd.runtime.protocol import Outcome, Prefill, SpeculateRequest
 from trtssd.sampling import SamplingParams
@@ -27,7 +27,7 @@ def _executor(path) -> TorchExecutor:
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_glue_on_a_hit_reuses_the_branch_and_matches_a_fresh_decode(model_dir, temperature):
-    worker = DraftWorker(_executor(model_dir), SpecConfig(mode=Mode.SSD, k=K, fanout=(1, 1, 1, 2)))
+    worker = DraftWorker(_executor(model_dir), SpeculativeConfig(mode=Mode.SSD, k=K, fanout=(1, 1, 1, 2)))
     params = SamplingParams(temperature=temperature, seed=5, max_tokens=100)
     prompt = [1, 2, 3, 4, 5, 6]
     worker.prefill(Prefill(0, tuple(prompt), params))

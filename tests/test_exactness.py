@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from trtssd.sampling import SamplingParams, processed_probs, sample
-from trtssd.spec.saguaro import saguaro_probs
-from trtssd.spec.verify import VerifyResult, verify
+from trtssd.spec_decode.saguaro import saguaro_probs
+from trtssd.spec_decode.verify import VerifyResult, verify
 
 N = 100_000
 V = 6

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from trtssd.spec.fanout import (AcceptanceEstimator, PowerLaw, PowerLawEstimator, continuous_fanout,
+from trtssd.spec_decode.fanout import (AcceptanceEstimator, PowerLaw, PowerLawEstimator, continuous_fanout,
                                 expected_hit_rate, optimal_fanout, optimal_miss_rate, outcome_probs)
 
 

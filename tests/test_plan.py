@@ -9,7 +9,7 @@ import pytest
 
 from trtssd.plan import (CostCurve, StepCostModel, Timings, Workload, acceptance_from_length, acceptance_mle,
                          expected_tokens, load_timings, main, predict_ar, predict_sd, predict_ssd, recommend)
-from trtssd.spec.fanout import expected_hit_rate, optimal_fanout
+from trtssd.spec_decode.fanout import expected_hit_rate, optimal_fanout
 
 
 def unit_timings(draft: float, tree: float | None = None, **kw) -> Timings:

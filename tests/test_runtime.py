@@ -133,7 +133,7 @@ def test_draft_killed_mid_generation_requests_complete_with_ar_output(tiny):
         ref = [o.token_ids for o in llm.generate(PROMPTS[:4], params)]
     before = _shm_segments()
     with _llm(tiny, "ssd", max_batch=4, draft_timeout_s=10) as llm:
-        engine = llm.engine
+        engine = llm.loop
         ids = [engine.add_request(p, params) for p in PROMPTS[:4]]
         for _ in range(3):
             engine.step()
@@ -151,7 +151,7 @@ def test_draft_killed_mid_generation_requests_complete_with_ar_output(tiny):
 def test_clean_shutdown_leaves_no_process_or_shared_memory(tiny):
     before = _shm_segments()
     with _llm(tiny, "ssd") as llm:
-        pid = llm.engine.draft.pid
+        pid = llm.loop.draft.pid
         assert _shm_segments() - before  # the buffers are real shared memory
         llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8))
     assert _shm_segments() == before

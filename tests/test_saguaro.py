@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trtssd.spec.saguaro import saguaro_probs, select_forks, select_forks_batched
+from trtssd.spec_decode.saguaro import saguaro_probs, select_forks, select_forks_batched
 
 
 def _random_q(seed: int, rows: int, vocab: int, spread: float = 1.5) -> torch.Tensor:

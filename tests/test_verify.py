@@ -1,4 +1,4 @@
-"""Deterministic properties of trtssd.spec.verify (the statistics are in test_exactness.py)."""
+"""Deterministic properties of trtssd.spec_decode.verify (the statistics are in test_exactness.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trtssd.sampling import SamplingParams, make_generator, processed_probs
-from trtssd.spec.verify import _bonus_distribution, verify
+from trtssd.spec_decode.verify import _bonus_distribution, verify
 
 GREEDY = SamplingParams(temperature=0.0)
 WARM = SamplingParams(temperature=1.0)

@@ -1,6 +1,6 @@
 """trtssd: speculative speculative decoding (Saguaro) with target and draft in separate ranks."""
 
-from trtssd.config import Backup, Mode, ModelRef, RuntimeConfig, SpecConfig
+from trtssd.config import Backup, Mode, ModelRef, RuntimeConfig, SpeculativeConfig
 from trtssd.sampling import SamplingParams
 
 __version__ = "0.1.0"
@@ -15,4 +15,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'trtssd' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "SpecConfig", "RuntimeConfig", "ModelRef", "Mode", "Backup"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "SpeculativeConfig", "RuntimeConfig", "ModelRef", "Mode", "Backup"]

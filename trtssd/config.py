@@ -32,7 +32,7 @@ def _choice(enum_cls, value, field_name: str):
 
 
 @dataclass(frozen=True)
-class SpecConfig:
+class SpeculativeConfig:
     """Speculation settings, shared by the target (verification) and the draft (speculation)."""
 
     mode: Mode = Mode.SSD  # the product's point; ar/sd exist for honest comparison

@@ -12,9 +12,9 @@ import logging
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from trtssd.config import Mode, ModelRef, RuntimeConfig, SpecConfig
+from trtssd.config import Mode, ModelRef, RuntimeConfig, SpeculativeConfig
 from trtssd.runtime.affinity import pin, restore, split_cores
-from trtssd.runtime.engine import Engine
+from trtssd.runtime.target_loop import TargetLoop
 from trtssd.runtime.metrics import SpecMetrics
 from trtssd.sampling import SamplingParams
 
@@ -40,7 +40,7 @@ class LLM:
     target, draft: explicit model references instead of an engine (tests use tiny models).
     launch:  "spawn" starts the draft as its own MPI job (the default; survives a dying draft);
              "world" uses the last rank of an ``mpiexec -n 2`` job as the draft.
-    Every other keyword goes to SpecConfig (mode, k, fanout, fanout_budget, saguaro_c, backup,
+    Every other keyword goes to SpeculativeConfig (mode, k, fanout, fanout_budget, saguaro_c, backup,
     draft_timeout_s) or RuntimeConfig (max_batch, max_seq_len, *_threads, *_cores).
     """
 
@@ -48,14 +48,14 @@ class LLM:
                  draft: ModelRef | None = None, launch: str = "spawn", **options):
         from trtssd.backends.loading import resolve_models
 
-        spec_opts = {k: options.pop(k) for k in list(options) if k in SpecConfig.__dataclass_fields__}
+        spec_opts = {k: options.pop(k) for k in list(options) if k in SpeculativeConfig.__dataclass_fields__}
         run_opts = {k: options.pop(k) for k in list(options) if k in RuntimeConfig.__dataclass_fields__}
         if options:
-            allowed = sorted(set(SpecConfig.__dataclass_fields__) | set(RuntimeConfig.__dataclass_fields__))
+            allowed = sorted(set(SpeculativeConfig.__dataclass_fields__) | set(RuntimeConfig.__dataclass_fields__))
             raise TypeError(f"unknown LLM option(s) {sorted(options)}; allowed: {allowed}")
         if launch not in ("spawn", "world"):
             raise ValueError(f"launch must be 'spawn' or 'world'; got {launch!r}")
-        self.spec = SpecConfig(**spec_opts)
+        self.spec = SpeculativeConfig(**spec_opts)
         runtime = RuntimeConfig(**run_opts)
         if runtime.target_cores is None and runtime.draft_cores is None:
             cores = split_cores(runtime.target_threads, runtime.draft_threads)
@@ -65,13 +65,13 @@ class LLM:
         self._closed = True  # until everything below has started
         self._previous_affinity = pin("target", self.runtime.target_cores, self.runtime.target_threads)
         try:
-            self.engine = self._start(target, draft, launch)
+            self.loop = self._start(target, draft, launch)
         except BaseException:
             restore(self._previous_affinity)
             raise
         self._closed = False
 
-    def _start(self, target: ModelRef, draft: ModelRef, launch: str) -> Engine:
+    def _start(self, target: ModelRef, draft: ModelRef, launch: str) -> TargetLoop:
         from trtssd.backends.loading import load_executor, load_tokenizer
 
         # Room for the verify block on the target; the draft also holds glue + tree scratch.
@@ -83,7 +83,7 @@ class LLM:
         link = None
         if self.spec.mode is not Mode.AR:
             link = self._start_draft(launch, draft, executor.vocab_size, draft_len)
-        return Engine(executor, self.spec, self.runtime.max_batch, self.tokenizer, _eos_ids(self.tokenizer), link)
+        return TargetLoop(executor, self.spec, self.runtime.max_batch, self.tokenizer, _eos_ids(self.tokenizer), link)
 
     def _start_draft(self, launch: str, draft: ModelRef, vocab_size: int, draft_len: int):
         from mpi4py import MPI
@@ -119,23 +119,23 @@ class LLM:
         params_list = _broadcast_params(params, len(prompts))
         encoded = [self._encode(p) for p in prompts]
         for tokens, sp in zip(encoded, params_list):  # all or nothing: one bad prompt queues none
-            self.engine.check_request(tokens, sp)
-        ids = [self.engine.add_request(tokens, sp) for tokens, sp in zip(encoded, params_list)]
-        while self.engine.has_unfinished():
-            self.engine.step()
-        return [self._output(p, self.engine.pop_finished(i)) for p, i in zip(prompts, ids)]
+            self.loop.check_request(tokens, sp)
+        ids = [self.loop.add_request(tokens, sp) for tokens, sp in zip(encoded, params_list)]
+        while self.loop.has_unfinished():
+            self.loop.step()
+        return [self._output(p, self.loop.pop_finished(i)) for p, i in zip(prompts, ids)]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, per_token: bool = False) -> Iterator[str]:
         """Yield text deltas as tokens are committed: by default one delta per round (a
         speculative round commits its accepted tokens at once); ``per_token=True`` splits each
         round into one delta per token, for a steady typing cadence. Either way the deltas join
         to the final text, stop strings included."""
-        seq_id = self.engine.add_request(self._encode(prompt), params or SamplingParams())
+        seq_id = self.loop.add_request(self._encode(prompt), params or SamplingParams())
         ids: list[int] = []
         committed = sent = ""  # the engine's text so far; what has been yielded
         done = False
         while not done:
-            for out in self.engine.step():
+            for out in self.loop.step():
                 if out.seq_id != seq_id:
                     continue
                 done = out.finished
@@ -151,7 +151,7 @@ class LLM:
                 if len(committed) > len(sent):
                     yield committed[len(sent):]
                     sent = committed
-        self.engine.pop_finished(seq_id)
+        self.loop.pop_finished(seq_id)
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
         """One assistant turn, with the model's chat template (through transformers)."""
@@ -173,11 +173,11 @@ class LLM:
     @property
     def metrics(self) -> SpecMetrics:
         """Aggregate metrics over every finished request."""
-        return self.engine.metrics
+        return self.loop.metrics
 
     @property
     def draft_alive(self) -> bool:
-        return self.engine.speculating
+        return self.loop.speculating
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -186,8 +186,8 @@ class LLM:
         if self._closed:
             return
         self._closed = True
-        if self.engine.draft is not None:
-            self.engine.draft.close()
+        if self.loop.draft is not None:
+            self.loop.draft.close()
         restore(self._previous_affinity)
 
     def __enter__(self) -> "LLM":
@@ -203,7 +203,7 @@ class LLM:
             pass
 
 
-def batch_tokens(spec: SpecConfig, runtime: RuntimeConfig) -> int:
+def batch_tokens(spec: SpeculativeConfig, runtime: RuntimeConfig) -> int:
     """Tokens one forward may hold: a whole prompt, or every row's verify/glue/tree block."""
     return runtime.max_seq_len + runtime.max_batch * (spec.budget + 2 * (spec.k + 1))
 

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from trtssd.spec.fanout import expected_hit_rate, optimal_fanout
+from trtssd.spec_decode.fanout import expected_hit_rate, optimal_fanout
 
 log = logging.getLogger(__name__)
 

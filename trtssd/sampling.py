@@ -1,6 +1,6 @@
 """Sampling parameters and the one map from target logits to the processed distribution p.
 
-Plain autoregressive sampling, speculative verification (trtssd.spec.verify) and the draft all
+Plain autoregressive sampling, speculative verification (trtssd.spec_decode.verify) and the draft all
 call :func:`processed_probs`, so "the distribution the target samples from" has exactly one
 definition. Randomness always comes from per-row ``torch.Generator`` objects (None = torch's
 global RNG), so a seeded request draws the same numbers whatever else is in its batch.

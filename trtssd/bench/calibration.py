@@ -53,8 +53,8 @@ def measure_timings(engine: str | None = None, target: str | None = None, draft:
     from trtssd.backends.base import chain_chunk
     from trtssd.backends.loading import load_executor, resolve_models
     from trtssd.config import ModelRef
-    from trtssd.spec.backup import ngram_proposal
-    from trtssd.spec.tree import TreeLayout
+    from trtssd.spec_decode.backup import ngram_proposal
+    from trtssd.spec_decode.tree import TreeLayout
 
     batch_sizes, ks, budgets = sorted(set(batch_sizes)), sorted(set(ks)), sorted(set(budgets))
     refs = resolve_models(engine, ModelRef(target) if target else None, ModelRef(draft) if draft else None)

@@ -39,7 +39,7 @@ class TrtssdRunner:
         from trtssd.sampling import SamplingParams
 
         # Drives the engine step by step (rather than LLM.generate) to time every emission.
-        engine = self.llm.engine
+        engine = self.llm.loop
         params = [SamplingParams(temperature=key.temperature, max_tokens=cfg.max_tokens, ignore_eos=cfg.ignore_eos,
                                  seed=seed + i if key.temperature > 0 else None) for i in range(len(prompts))]
         start = time.perf_counter()

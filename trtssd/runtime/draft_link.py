@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from mpi4py import MPI
 
-from trtssd.config import ModelRef, RuntimeConfig, SpecConfig
+from trtssd.config import ModelRef, RuntimeConfig, SpeculativeConfig
 from trtssd.runtime import protocol as P
 from trtssd.runtime.transport import Channel, PeerLost, SharedBuffers
 
@@ -57,7 +57,7 @@ class DraftLink:
     # --- start -------------------------------------------------------------------------------
 
     @classmethod
-    def spawn(cls, draft_model: ModelRef, spec: SpecConfig, runtime: RuntimeConfig, vocab_size: int,
+    def spawn(cls, draft_model: ModelRef, spec: SpeculativeConfig, runtime: RuntimeConfig, vocab_size: int,
               max_seq_len: int, start_timeout_s: float = 300.0) -> "DraftLink":
         port = MPI.Open_port()
         env = dict(os.environ)
@@ -76,7 +76,7 @@ class DraftLink:
         return link
 
     @classmethod
-    def from_world(cls, comm: MPI.Intracomm, draft_model: ModelRef, spec: SpecConfig, runtime: RuntimeConfig,
+    def from_world(cls, comm: MPI.Intracomm, draft_model: ModelRef, spec: SpeculativeConfig, runtime: RuntimeConfig,
                    vocab_size: int, max_seq_len: int, start_timeout_s: float = 300.0) -> "DraftLink":
         link = cls(comm, comm.Get_size() - 1, None, spec.draft_timeout_s)
         layout = P.BufferLayout(runtime.max_batch, spec.k, vocab_size, None)
@@ -126,8 +126,8 @@ class DraftLink:
             self.mark_dead(str(err))
             raise
         rows = len(req.outcomes)
-        tokens = self.buffers.tokens(reply.slot)[:rows]
-        probs = self.buffers.probs(reply.slot)[:rows] if reply.has_probs else None
+        tokens = self.buffers.tokens(reply.buffer)[:rows]
+        probs = self.buffers.probs(reply.buffer)[:rows] if reply.has_probs else None
         return reply, tokens, probs
 
     def mark_dead(self, reason: str) -> None:

@@ -70,12 +70,12 @@ def _loop(channel: Channel, buffers: SharedBuffers, worker: DraftWorker, prespec
             t0 = time.perf_counter()
             ans = worker.answer(msg)
             rows = len(msg.outcomes)
-            buffers.tokens(msg.slot)[:rows].copy_(ans.tokens)
+            buffers.tokens(msg.buffer)[:rows].copy_(ans.tokens)
             if ans.probs is not None:
-                buffers.probs(msg.slot)[:rows].copy_(ans.probs)
+                buffers.probs(msg.buffer)[:rows].copy_(ans.probs)
             reply = P.SpeculateReply(
                 round_id=msg.round_id,
-                slot=msg.slot,
+                buffer=msg.buffer,
                 hit=tuple(ans.hit),
                 backup=tuple(ans.backup),
                 point_mass=tuple(ans.point_mass),

@@ -6,7 +6,7 @@ verifies: glue-decode the speculation just returned, fork on the likely bonus to
 every fork in one batched forward per step, and populate the cache for the next round.
 
 Every proposal is sampled from a known distribution that travels with it (Saguaro q', built by
-`trtssd.spec.saguaro.saguaro_probs` from the draft's processed distribution), or is
+`trtssd.spec_decode.saguaro.saguaro_probs` from the draft's processed distribution), or is
 deterministic and marked as a point mass, so the target's verification is exact either way.
 """
 
@@ -19,15 +19,15 @@ from dataclasses import dataclass, field
 import torch
 
 from trtssd.backends.base import Executor, chain_chunk
-from trtssd.config import Backup, Mode, SpecConfig
+from trtssd.config import Backup, Mode, SpeculativeConfig
 from trtssd.plan import CostCurve, StepCostModel, Timings, Workload, acceptance_from_length, recommend
 from trtssd.runtime.protocol import Outcome, Prefill, SpeculateRequest
 from trtssd.sampling import SamplingParams, make_generator, processed_probs, sample
-from trtssd.spec.backup import BackupCosts, ngram_proposal, prefer_neural
-from trtssd.spec.cache import SpeculationCache
-from trtssd.spec.fanout import AcceptanceEstimator, PowerLawEstimator, optimal_fanout
-from trtssd.spec.saguaro import saguaro_probs, select_forks
-from trtssd.spec.tree import TreeLayout, append_chunk
+from trtssd.spec_decode.backup import BackupCosts, ngram_proposal, prefer_neural
+from trtssd.spec_decode.cache import SpeculationCache
+from trtssd.spec_decode.fanout import AcceptanceEstimator, PowerLawEstimator, optimal_fanout
+from trtssd.spec_decode.saguaro import saguaro_probs, select_forks
+from trtssd.spec_decode.tree import TreeLayout, append_chunk
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class Answer:
 
 
 class DraftWorker:
-    def __init__(self, executor: Executor, spec: SpecConfig):
+    def __init__(self, executor: Executor, spec: SpeculativeConfig):
         self.executor = executor
         self.spec = spec
         self.k = spec.k
@@ -225,7 +225,7 @@ class DraftWorker:
 
     # --- drafting ----------------------------------------------------------------------------
 
-    def _plan_budget(self, batch: int) -> None:
+    def _choose_tree_width(self, batch: int) -> None:
         """Choose this round's tree width per sequence (auto fan-out): the speedup model of
         `trtssd.plan` (ALGORITHM.md section 8) over budgets 1..fanout_budget, fed with the live
         draft forward costs and the target's last verify time."""
@@ -303,7 +303,7 @@ class DraftWorker:
         return branches
 
     def _prespeculate(self, seqs: list[DraftSequence]) -> int:
-        self._plan_budget(len(seqs))
+        self._choose_tree_width(len(seqs))
         glue_logits = self._glue(seqs)
         layouts, fanouts = [], []
         for seq, logits in zip(seqs, glue_logits):

@@ -2,7 +2,7 @@
 
 Control messages are small pickled dataclasses sent over MPI. Bulk tensors (the K proposal
 tokens per row and the q' rows they were sampled from) travel through the shared buffers of
-`transport.SharedBuffers`; a reply says which buffer slot holds its rows. Row i of a reply answers
+`transport.SharedBuffers`; a reply says which of the two buffers holds its rows. Row i of a reply answers
 ``outcomes[i]`` of the request.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trtssd.config import ModelRef, RuntimeConfig, SpecConfig
+from trtssd.config import ModelRef, RuntimeConfig, SpeculativeConfig
 from trtssd.sampling import SamplingParams
 
 CONTROL_TAG = 11  # target -> draft
@@ -19,7 +19,7 @@ REPLY_TAG = 12  # draft -> target
 
 @dataclass(frozen=True)
 class BufferLayout:
-    """Shape of one shared-buffer slot; two slots are double-buffered."""
+    """Shape of one shared buffer; two of them alternate per round."""
 
     max_batch: int
     k: int
@@ -31,11 +31,11 @@ class BufferLayout:
 class Hello:
     """First message from the target: everything the draft needs to start serving."""
 
-    spec: SpecConfig
+    spec: SpeculativeConfig
     runtime: RuntimeConfig
     layout: BufferLayout
     draft_model: ModelRef
-    max_seq_len: int  # KV slot length the draft needs (prompt + output + glue + tree region)
+    max_seq_len: int  # KV length the draft needs per sequence (prompt + output + glue + tree region)
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class Outcome:
 class SpeculateRequest:
     round_id: int
     outcomes: tuple[Outcome, ...]
-    slot: int  # shared-buffer slot the reply must write
+    buffer: int  # which of the two shared buffers the reply must write (alternates per round)
     verify_time_s: float  # the target's last verify time, for the backup policy
     released: tuple[int, ...] = ()  # sequences finished since the last request
 
@@ -80,7 +80,7 @@ class SpeculateRequest:
 @dataclass(frozen=True)
 class SpeculateReply:
     round_id: int
-    slot: int
+    buffer: int
     hit: tuple[bool, ...]  # per row: answered from the cache
     backup: tuple[str, ...]  # per row: "" on a hit, else "neural" or "fast"
     point_mass: tuple[bool, ...]  # per row: deterministic proposal (verified as a point mass)

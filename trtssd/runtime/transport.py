@@ -4,7 +4,7 @@
   polls, because a blocking MPI receive busy-polls a whole core (on a 2-core machine that is
   the core the other rank computes on).
 - `SharedBuffers`: the bulk rows (proposal tokens [B, K] and q' rows [B, K, V]) in real shared
-  memory, two slots so the draft can write round t+1 while the target still reads round t.
+  memory, two buffers so the draft can write round t+1 while the target still reads round t.
   Backed by an MPI-3 shared-memory window when both ranks share one MPI job (``mpiexec -n 2``),
   or by POSIX shared memory when the draft is its own MPI job connected through an MPI port
   (the API's launch mode: MPICH kills every rank of a job when one dies, so a separate job is
@@ -63,23 +63,23 @@ class Channel:
         return self.comm.recv(source=self.peer, tag=tag)
 
 
-def _slot_bytes(layout: BufferLayout) -> int:
+def _buffer_bytes(layout: BufferLayout) -> int:
     return layout.max_batch * layout.k * (8 + 4 * layout.vocab_size)
 
 
 class SharedBuffers:
-    """Two slots of [tokens int64 [B, K] | probs fp32 [B, K, V]] in shared memory."""
+    """Two buffers of [tokens int64 [B, K] | probs fp32 [B, K, V]] in shared memory."""
 
     def __init__(self, layout: BufferLayout, buffer, owner_cleanup: Callable[[], None]):
         self.layout = layout
         self._buffer = buffer
         self._cleanup = owner_cleanup
         B, K, V = layout.max_batch, layout.k, layout.vocab_size
-        size = _slot_bytes(layout)
+        size = _buffer_bytes(layout)
         self._tokens = []
         self._probs = []
-        for slot in range(2):
-            base = slot * size
+        for index in range(2):
+            base = index * size
             self._tokens.append(torch.frombuffer(buffer, dtype=torch.int64, count=B * K, offset=base).view(B, K))
             self._probs.append(
                 torch.frombuffer(buffer, dtype=torch.float32, count=B * K * V, offset=base + B * K * 8).view(B, K, V)
@@ -87,13 +87,13 @@ class SharedBuffers:
 
     @staticmethod
     def nbytes(layout: BufferLayout) -> int:
-        return 2 * _slot_bytes(layout)
+        return 2 * _buffer_bytes(layout)
 
-    def tokens(self, slot: int) -> torch.Tensor:
-        return self._tokens[slot]
+    def tokens(self, buffer: int) -> torch.Tensor:
+        return self._tokens[buffer]
 
-    def probs(self, slot: int) -> torch.Tensor:
-        return self._probs[slot]
+    def probs(self, buffer: int) -> torch.Tensor:
+        return self._probs[buffer]
 
     def close(self) -> None:
         self._tokens.clear()

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 import torch
 
 from trtssd.backends.base import Chunk, Executor, chain_chunk
-from trtssd.config import Mode, SpecConfig
+from trtssd.config import Mode, SpeculativeConfig
 from trtssd.runtime import protocol as P
 from trtssd.runtime.draft_link import DraftLink
 from trtssd.runtime.metrics import SpecMetrics
 from trtssd.runtime.transport import PeerLost
 from trtssd.sampling import SamplingParams, make_generator, processed_probs, sample
-from trtssd.spec.verify import verify
+from trtssd.spec_decode.verify import verify
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,8 @@ class StepOutput:
     finish_reason: str | None
 
 
-class Engine:
-    def __init__(self, target: Executor, spec: SpecConfig, max_batch: int, tokenizer=None,
+class TargetLoop:
+    def __init__(self, target: Executor, spec: SpeculativeConfig, max_batch: int, tokenizer=None,
                  eos_token_ids: tuple[int, ...] = (), draft: DraftLink | None = None):
         if spec.mode is not Mode.AR and draft is None:
             raise ValueError(f"mode {spec.mode.value!r} needs a draft rank")
@@ -184,8 +184,8 @@ class Engine:
         if len(seqs) != len(self.running):
             raise PeerLost("some sequences are unknown to the draft")
         t0 = time.perf_counter()
-        slot = self._round % 2
-        req = P.SpeculateRequest(self._round, tuple(s.outcome for s in seqs), slot, self._last_verify_s,
+        buffer = self._round % 2
+        req = P.SpeculateRequest(self._round, tuple(s.outcome for s in seqs), buffer, self._last_verify_s,
                                  tuple(self._released))
         self._released = []
         self._round += 1

@@ -4,7 +4,7 @@ After a rejection at depth j the bonus is drawn from (p_j - q_j)+. The draft cac
 for its top-F_j guesses of that bonus. Sampling s_{j+1} from q'_j instead of q_j, where q'_j
 scales q_j's top-(F_j + 1) probabilities by C <= 1, lowers q' on exactly those guesses, which
 raises the residual mass there and so the cache hit rate. Verification stays exact because the
-target verifies with the same q' rows the draft sampled from (trtssd.spec.verify).
+target verifies with the same q' rows the draft sampled from (trtssd.spec_decode.verify).
 
 Both functions rank tokens the same way (`_top`: descending probability, ties to the lower id),
 so the scaled set and the fork candidates agree. Only the top few ranks are ever needed, so they

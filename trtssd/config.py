@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 
@@ -21,6 +21,15 @@ class Backup(str, enum.Enum):
     AUTO = "auto"  # choose per round from measured costs, hit rate and batch size
     NEURAL = "neural"  # the draft drafts K tokens just in time for the missing rows
     FAST = "fast"  # n-gram / prompt-lookup proposal, verified as a point mass (still exact)
+
+
+class Source(str, enum.Enum):
+    """Where a verified speculation came from (metrics, protocol and cost model use the same names)."""
+
+    HIT = "hit"  # SSD: the pre-speculation cache held the actual outcome
+    NEURAL = "neural"  # cache miss answered by the draft just in time
+    FAST = "fast"  # cache miss answered by an n-gram proposal (a point mass)
+    SD = "sd"  # plain speculative decoding: drafted after the outcome was known (no cache)
 
 
 def _choice(enum_cls, value, field_name: str):
@@ -67,9 +76,14 @@ class SpeculativeConfig:
             raise ValueError(f"draft_timeout_s must be > 0; got {self.draft_timeout_s!r}")
 
     @property
+    def fixed_fanout(self) -> tuple[int, ...] | None:
+        """The explicit per-depth fan-out, or None when it is chosen each round ("auto")."""
+        return self.fanout if isinstance(self.fanout, tuple) else None
+
+    @property
     def budget(self) -> int:
         """Branches per sequence per round."""
-        return sum(self.fanout) if isinstance(self.fanout, tuple) else self.fanout_budget
+        return sum(self.fixed_fanout) if self.fixed_fanout is not None else self.fanout_budget
 
 
 @dataclass(frozen=True)
@@ -98,14 +112,6 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True)
-class EngineSpec:
-    """Where the models come from: an engine directory built by `trtssd build`."""
-
-    engine_dir: str | None = None  # None = the embedded default engine (built on first use)
-    extra: dict = field(default_factory=dict)  # forwarded to the backend loaders (tests: tiny models)
-
-
-@dataclass(frozen=True)
 class ModelRef:
     """A model one rank loads by itself (picklable, so the target can tell the draft what to load)."""
 
@@ -118,3 +124,8 @@ class ModelRef:
             raise ValueError(f"side must be 'target' or 'draft'; got {self.side!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16'; got {self.dtype!r}")
+
+
+def batch_tokens(spec: SpeculativeConfig, runtime: RuntimeConfig) -> int:
+    """Tokens one forward may hold: a whole prompt, or every row's verify/glue/tree block."""
+    return runtime.max_seq_len + runtime.max_batch * (spec.budget + 2 * (spec.k + 1))

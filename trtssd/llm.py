@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from trtssd.config import Mode, ModelRef, RuntimeConfig, SpeculativeConfig
+from trtssd.config import Mode, ModelRef, RuntimeConfig, SpeculativeConfig, batch_tokens
 from trtssd.runtime.affinity import pin, restore, split_cores
 from trtssd.runtime.target_loop import TargetLoop
 from trtssd.runtime.metrics import SpecMetrics
@@ -201,11 +201,6 @@ class LLM:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
-
-
-def batch_tokens(spec: SpeculativeConfig, runtime: RuntimeConfig) -> int:
-    """Tokens one forward may hold: a whole prompt, or every row's verify/glue/tree block."""
-    return runtime.max_seq_len + runtime.max_batch * (spec.budget + 2 * (spec.k + 1))
 
 
 def _broadcast_params(params, n: int) -> list[SamplingParams]:

@@ -14,7 +14,7 @@ import time
 
 from mpi4py import MPI
 
-from trtssd.config import Mode
+from trtssd.config import Mode, batch_tokens
 from trtssd.runtime import protocol as P
 from trtssd.runtime.affinity import pin
 from trtssd.runtime.draft_worker import DraftWorker
@@ -36,12 +36,10 @@ def serve(comm: MPI.Intracomm, target_rank: int = 0) -> None:
     else:
         buffers = SharedBuffers.attach_posix(hello.layout)
     t0 = time.perf_counter()
-    from trtssd.llm import batch_tokens
-
     executor = load_executor(hello.draft_model, max_seqs=hello.runtime.max_batch, max_seq_len=hello.max_seq_len,
                              max_batch_tokens=batch_tokens(hello.spec, hello.runtime))
     worker = DraftWorker(executor, hello.spec)
-    if hello.spec.mode is Mode.SSD and not isinstance(hello.spec.fanout, tuple):
+    if hello.spec.mode is Mode.SSD and hello.spec.fixed_fanout is None:
         try:
             worker.calibrate()  # the auto fan-out needs to know what wider trees cost here
         except Exception:  # noqa: BLE001 - an optimisation: serve with the uncalibrated prior

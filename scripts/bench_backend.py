@@ -126,7 +126,8 @@ def time_alternately(fns: dict[str, Callable[[], object]], reps: int, warmup: in
 def _our_model(path: Path, dtype_name: str):
     if dtype_name != "int4":
         return load_model(path, DTYPES[dtype_name])
-    from trtssd.build import build_engine, default_engine, load_draft_model
+    from trtssd.build import build_engine, default_engine
+    from trtssd.models.engine_dir import load_draft_model
     from trtssd.models.smollm2 import ensure_smollm2_gguf
 
     if is_gguf(path):  # int4 groups come from the engine build (Q4_1 codes kept exactly)

@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 from trtssd.backends.base import chain_chunk
-from trtssd.build import default_engine, load_engine
+from trtssd.backends.loading import load_engine
+from trtssd.build import default_engine
 
 log = logging.getLogger("bench_draft")
 

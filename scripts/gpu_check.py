@@ -142,7 +142,7 @@ def section_kernel(budget: Budget) -> list[dict]:
 def time_attention(shape: LlamaShape, batch: int, prefix: int, n: int, sm_count: int) -> dict:
     import torch.nn.functional as F
 
-    from trtssd.backends.attention import tree_attention_reference, visibility_mask
+    from trtssd.models.attention import tree_attention_reference, visibility_mask
     from trtssd.kernels.tree_attention_triton import KernelConfig, Problem, default_config, tree_attention_triton
 
     q, k, v, prefix_len, mask = attention_inputs(shape, batch, prefix, n)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from trtssd.spec_decode.backup import BackupCosts, ngram_proposal, prefer_neural
+from trtssd.runtime.speedup_model import BackupCosts, prefer_neural
+from trtssd.spec_decode.backup import ngram_proposal
 
 
 def test_ngram_proposal_continues_the_latest_match():

@@ -13,8 +13,9 @@ from trtssd.bench import (BatchRecord, BenchConfig, BenchReport, RequestRecord, 
                           compare_with_plan, encode_prompts, hf_source, load_prompt_set, per_token_latencies,
                           percentile, plan_instances, read_jsonl, render_markdown, summarize,
                           workload_from_summary, write_plots, write_report)
-from trtssd.plan import CostCurve, Timings, acceptance_from_length, predict_sd
+from trtssd.config import Source
 from trtssd.runtime.metrics import SpecMetrics
+from trtssd.runtime.speedup_model import CostCurve, Timings, acceptance_from_length, predict_sd
 
 # --- prompts -------------------------------------------------------------------------------------
 
@@ -128,8 +129,8 @@ def test_summarize_throughput_latency_and_spec_metrics():
     batches = [BatchRecord((_req("a", 5, 0.1, 0.02),), 0.2, 0.1),
                BatchRecord((_req("b", 11, 0.3, 0.01),), 0.4, 0.3)]
     spec = SpecMetrics()
-    spec.record_round(3, 3, True, "")
-    spec.record_round(3, 1, False, "neural")
+    spec.record_round(3, 3, Source.HIT)
+    spec.record_round(3, 1, Source.NEURAL)
     spec.verify_time_s, spec.round_time_s = 0.3, 0.4
     s = summarize(batches, spec)
     assert s["output_tokens"] == 16 and s["num_requests"] == 2
@@ -227,10 +228,10 @@ def _run(system: str, tok_s: float, outputs: list[tuple[int, ...]], k=None, budg
     return RunResult(RunKey(system, dataset, 1, 0.0, k, budget), summary, reqs)
 
 
-def _spec(rounds: list[tuple[int, bool, str]], k: int, wait_s: float = 0.0) -> SpecMetrics:
+def _spec(rounds: list[tuple[int, Source]], k: int, wait_s: float = 0.0) -> SpecMetrics:
     m = SpecMetrics()
-    for accepted, hit, backup in rounds:
-        m.record_round(k, accepted, hit, backup)
+    for accepted, source in rounds:
+        m.record_round(k, accepted, source)
     m.draft_wait_time_s = wait_s * len(rounds)
     return m
 
@@ -246,18 +247,18 @@ def test_attach_comparisons_speedups_and_token_equality():
 
 
 def test_workload_from_summary_inverts_acceptance():
-    spec = _spec([(3, True, ""), (1, False, "neural"), (0, True, "")], k=3).summary()
+    spec = _spec([(3, Source.HIT), (1, Source.NEURAL), (0, Source.HIT)], k=3).summary()
     w = workload_from_summary(spec, 3)
     assert w.hit_rate == pytest.approx(2 / 3)
     assert w.acceptance == pytest.approx(acceptance_from_length(1 + 4 / 3, 3))
-    fast = _spec([(3, True, ""), (2, True, ""), (0, False, "fast"), (0, False, "fast")], k=3).summary()
+    fast = _spec([(3, Source.HIT), (2, Source.HIT), (0, Source.FAST), (0, Source.FAST)], k=3).summary()
     wf = workload_from_summary(fast, 3)
     assert wf.acceptance == pytest.approx(acceptance_from_length(3.5, 3)) and wf.fast_acceptance == 0.0
 
 
 def test_compare_with_plan_uses_measured_costs_and_labels_calibration():
     timings = Timings(CostCurve(((1, 0.010), (6, 0.015))), CostCurve(((1, 0.002), (6, 0.003))))
-    sd_spec = _spec([(2, False, "neural")] * 10, k=5, wait_s=0.011)  # 5 draft steps (10 ms) + 1 ms handshake
+    sd_spec = _spec([(2, Source.SD)] * 10, k=5, wait_s=0.011)  # 5 draft steps (10 ms) + 1 ms handshake
     runs = [_run("ar", 80.0, [(1,)]), _run("sd", 100.0, [(1,)], k=5, spec=sd_spec)]
     compare_with_plan(runs, timings)
     ar, sd = runs[0].prediction, runs[1].prediction
@@ -271,8 +272,18 @@ def test_compare_with_plan_uses_measured_costs_and_labels_calibration():
     assert sd["error"] == pytest.approx(expected.tokens_per_s / 100.0 - 1, abs=1e-3)
 
 
+def test_compare_with_plan_records_a_negative_overhead_instead_of_clamping_it(caplog):
+    timings = Timings(CostCurve(((1, 0.010), (6, 0.015))), CostCurve(((1, 0.002), (6, 0.003))))
+    runs = [_run("ar", 125.0, [(1,)])]  # 8 ms per decode step, faster than the 10 ms forward timed after
+    compare_with_plan(runs, timings)
+    ar = runs[0].prediction
+    assert ar["overhead_ms"] == 0.0 and ar["overhead_measured_ms"] == pytest.approx(-2.0)
+    assert ar["error"] == pytest.approx(100.0 / 125.0 - 1, abs=1e-4)  # the calibration's own error
+    assert "host overhead of 0" in caplog.text
+
+
 def test_report_markdown_json_and_plots(tmp_path):
-    spec = _spec([(3, True, ""), (1, False, "neural")], k=3)
+    spec = _spec([(3, Source.HIT), (1, Source.NEURAL)], k=3)
     runs = [_run("ar", 50.0, [(1, 2)]), _run("ssd", 90.0, [(1, 2)], 3, 6, spec=spec),
             _run("ar", 40.0, [(1, 2)], dataset="math"), _run("ssd", 60.0, [(1, 2)], 3, 6, spec=spec, dataset="math"),
             RunResult(RunKey("hf-assisted", "chat", 2, 0.0, 3), error="skipped: batch size 1 only")]

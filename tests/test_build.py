@@ -12,18 +12,10 @@ import pytest
 import torch
 
 from trtssd.backends.base import chain_chunk
-from trtssd.build import (
-    DRAFT_FILE,
-    MANIFEST,
-    TARGET_FILE,
-    TokenizerMismatchError,
-    build_engine,
-    file_sha256,
-    load_engine,
-    load_manifest,
-    load_side,
-    resolve_recipe,
-)
+from trtssd.backends.loading import load_engine, load_side
+from trtssd.build import TokenizerMismatchError, build_engine, gguf_tokenizer_fields, resolve_recipe
+from trtssd.hashing import file_sha256
+from trtssd.models.engine_dir import DRAFT_FILE, MANIFEST, TARGET_FILE, load_manifest
 
 Q4_1, Q8_0, F32 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F32
 MERGES = ["Ġ t", "Ġ a", "i n", "h e"]
@@ -153,6 +145,17 @@ def test_tokenizer_mismatch_is_refused(built, tmp_path):
     with pytest.raises(TokenizerMismatchError, match=r"tokenizer\.ggml\.merges.*index 0: 'Ġ t' vs 'Ġ a'"):
         build_engine(source, tmp_path / "engines", draft=other, progress=False)
     assert not (tmp_path / "engines" / "tiny-model").exists()
+
+
+def test_tokenizer_fields_read_as_the_gguf_package_reads_them(built):
+    """Our header walk (the one GGUF reader) against the gguf package's reader."""
+    source, _ = built
+    fields = gguf.GGUFReader(source).fields
+    ours = gguf_tokenizer_fields(source)
+    assert len(ours["tokenizer.ggml.tokens"]) == 261 and len(ours["tokenizer.ggml.merges"]) == 4
+    for key, value in ours.items():
+        expected = fields[key].contents()
+        assert value == (list(expected) if isinstance(expected, (list, tuple)) else expected), key
 
 
 def test_bad_references(tmp_path):

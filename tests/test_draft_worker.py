@@ -8,7 +8,7 @@ import torch
 from tiny_models import make_tiny_llama
 from trtssd.backends.base import chain_chunk
 from trtssd.backends.torch_backend import TorchExecutor
-from trtssd.config import Mode, SpeculativeConfig
+from trtssd.config import Mode, Source, SpeculativeConfig
 from trtssd.runtime.draft_worker import DraftWorker
 from trtssd.runtime.protocol import Outcome, Prefill, SpeculateRequest
 from trtssd.sampling import SamplingParams
@@ -35,7 +35,7 @@ def test_glue_on_a_hit_reuses_the_branch_and_matches_a_fresh_decode(model_dir, t
     glue = worker._glue
 
     def spy(seqs):
-        captured["adopt"] = [s.branch is not None and not s.uncached for s in seqs]
+        captured["adopt"] = [s.hit is not None and not s.uncached for s in seqs]
         captured["rows"] = glue(seqs)
         return captured["rows"]
 
@@ -44,7 +44,7 @@ def test_glue_on_a_hit_reuses_the_branch_and_matches_a_fresh_decode(model_dir, t
     hits = 0
     for round_id in range(6):
         ans = worker.answer(SpeculateRequest(round_id, (outcome,), round_id % 2, 0.01, ()))
-        hits += ans.hit[0]
+        hits += ans.sources[0] is Source.HIT
         worker.prespeculate()
         seq = worker.seqs[0]
         # Every glue, adopted or decoded, must equal decoding the whole history afresh.
@@ -54,6 +54,6 @@ def test_glue_on_a_hit_reuses_the_branch_and_matches_a_fresh_decode(model_dir, t
         want = ref.forward([chain_chunk(0, tokens, 0)])[0][-(K + 1):]
         assert (captured["rows"][0] - want).abs().max() < 1e-4
         # Next outcome: the deepest cached fork (a hit, so the next glue adopts its branch).
-        keys = sorted(worker.cache._entries, key=lambda key: -key[1])
-        outcome = Outcome(0, keys[0][1], keys[0][2])
+        keys = sorted(worker.cache[0].entries, key=lambda key: -key[0])
+        outcome = Outcome(0, *keys[0])
     assert hits == 5 and captured["adopt"] == [True]

@@ -7,8 +7,10 @@ import random
 
 import pytest
 
-from trtssd.plan import (CostCurve, StepCostModel, Timings, Workload, acceptance_from_length, acceptance_mle,
-                         expected_tokens, load_timings, main, predict_ar, predict_sd, predict_ssd, recommend)
+from trtssd.plan import load_timings, main
+from trtssd.runtime.speedup_model import (CostCurve, StepCostModel, Timings, Workload, acceptance_from_length, best_ssd,
+                                          expected_tokens, predict_ar, predict_sd, predict_ssd, recommend,
+                                          time_forwards)
 from trtssd.spec_decode.fanout import expected_hit_rate, optimal_fanout
 
 
@@ -72,14 +74,6 @@ def test_expected_tokens_and_its_inverse():
     assert acceptance_from_length(1.0, 5) == 0.0 and acceptance_from_length(6.0, 5) == 1.0
     with pytest.raises(ValueError, match="K\\+1"):
         acceptance_from_length(7.0, 5)
-
-
-def test_acceptance_mle_counts_tested_positions():
-    # K=3, rounds accepting 3, 1, 0: 4 accepted out of 3 + 2 + 1 = 6 positions tested.
-    assert acceptance_mle(4, 3, 1) == pytest.approx(4 / 6)
-    assert acceptance_mle(0, 0, 0) == 0.0
-    with pytest.raises(ValueError):
-        acceptance_mle(4, 3, 5)
 
 
 # --- the three modes -----------------------------------------------------------------------------
@@ -275,7 +269,18 @@ def test_main_measures_tiny_models_on_this_machine(tmp_path, capsys):
     assert "batch 2:" in capsys.readouterr().out
 
 
-# --- the draft rank's live use: StepCostModel and recommend over budgets ---------------------------
+# --- the draft rank's live use: StepCostModel and best_ssd over budgets ---------------------------
+
+
+def test_time_forwards_on_a_scratch_sequence(tmp_path):
+    from tiny_models import make_tiny_llama
+
+    from trtssd.backends.torch_backend import TorchExecutor
+
+    ex = TorchExecutor.from_pretrained(make_tiny_llama(tmp_path / "m", seed=0), max_seqs=1, max_seq_len=64)
+    points = time_forwards(ex, max_rows=16, context=16, repeats=1)
+    assert sorted(points) == [1, 2, 4, 8, 16] and all(s > 0 for s in points.values())
+    ex.add_sequence(0)  # the scratch sequence was released: its slot is free for a request
 
 
 def test_step_cost_model_interpolates_and_follows_load():
@@ -306,8 +311,20 @@ def _budget_plan(calibration: dict[int, float], verify_s: float, a: float, c: fl
     m = StepCostModel()
     m.calibrate(calibration)
     t = Timings(CostCurve(((1.0, verify_s),)), m.curve())
-    best = recommend(t, Workload(a, r=1.0, c=c), 1, ks=(5,), budgets=range(1, budget + 1), backups=("neural",)).ssd
+    best = best_ssd(t, Workload(a, r=1.0, c=c), 1, ks=(5,), budgets=range(1, budget + 1), backups=("neural",))
     return list(best.fanout)
+
+
+def test_best_ssd_is_recommends_ssd_with_one_fanout_per_budget():
+    """The draft's per-round search optimises each budget's fan-out once for both backups and
+    skips ar and sd; it must pick what the full recommendation picks."""
+    t = Timings(CostCurve(((1.0, 0.08),)), CostCurve(((1, 0.004), (8, 0.011), (64, 0.075))), fast_backup_s=1e-4)
+    w = Workload(0.72, r=0.9, c=0.45, fast_acceptance=0.05)
+    for batch in (1, 4, 8):
+        best = best_ssd(t, w, batch, ks=(5,), budgets=range(1, 13))
+        assert best == recommend(t, w, batch, ks=(5,), budgets=range(1, 13)).ssd
+        assert best == max((predict_ssd(t, w, 5, bud, batch, backup) for bud in range(1, 13)
+                            for backup in ("neural", "fast")), key=lambda p: p.tokens_per_s)
 
 
 def test_budget_uses_all_of_it_when_width_is_free():

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -158,13 +161,59 @@ def test_inverse_cdf_edges_never_pick_zero_mass_tokens():
     assert sample_with_uniforms(unnormalised, torch.tensor([0.76])).tolist() == [2]
 
 
-def test_seeded_generators_reproduce_and_unseeded_use_the_global_rng():
+def test_seeded_rows_sample_by_inverse_cdf_from_their_own_generator():
     assert make_generator(SamplingParams()) is None
-    sp = SamplingParams(seed=1234)
-    p = torch.softmax(torch.randn(8, 20), -1)
-    assert torch.equal(sample(p, [make_generator(sp)] * 8), sample(p, [make_generator(sp)] * 8))
-    u = draw_uniforms([None, make_generator(sp), None], 3, 4)
-    assert torch.equal(u[1], torch.rand(4, generator=torch.Generator().manual_seed(1234)))
+    seeds = [1234, 7, 99, 2**63 - 1, 0, 5, 6, 8]
+    p = torch.softmax(torch.randn(8, 20, generator=torch.Generator().manual_seed(4)), -1)
+    got = sample(p, [make_generator(SamplingParams(seed=s)) for s in seeds])
+    # By hand: row i's uniform is the first number of its seed's stream, and the token is the
+    # first whose float64 cumulative mass exceeds it.
+    for i, seed in enumerate(seeds):
+        u = float(torch.rand(1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+        cdf = np.cumsum(p[i].double().numpy())
+        assert int(got[i]) == int(np.searchsorted(cdf, u * cdf[-1], side="right")), seed
+    u = draw_uniforms([None, make_generator(SamplingParams(seed=1234)), None], 3, 4)
+    assert torch.equal(u[1], torch.rand(4, generator=torch.Generator().manual_seed(1234), dtype=torch.float64))
     assert ((u >= 0) & (u < 1)).all()
     with pytest.raises(ValueError, match="generators"):
         draw_uniforms([None], 2, 1)
+
+
+def _exact_inverse_cdf(cdf: list[int], k: int) -> tuple[int, float]:
+    """For u = k / 2^24 (the grid torch.rand's fp32 numbers lie on) and an integer CDF: the first
+    token whose cumulative mass exceeds u * total, and how far u * total is from the nearest CDF
+    value, in grid steps."""
+    total = cdf[-1]
+    scaled = k * total  # u * total * 2^24, exactly
+    # cdf[j] > u * total  <=>  cdf[j] > floor(u * total), cdf[j] being an integer
+    token = bisect.bisect_right(cdf, scaled >> 24)
+    below = (cdf[token - 1] << 24) if token else 0
+    above = cdf[token] << 24
+    return token, min(scaled - below, above - scaled) / total
+
+
+def test_inverse_cdf_boundaries_are_exact_at_a_49k_vocabulary():
+    # At V = 49152 an fp32 cumulative sum rounds every token's increment (~2e-5) to the ulp of the
+    # running sum, which moves boundaries between neighbouring tokens (~3e-4 of the mass in all).
+    # Check boundaries directly against exact rational arithmetic: for random tokens i, the two
+    # fp32 grid points on either side of the start of token i's interval.
+    vocab = 49152
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(vocab, generator=g), -1)
+    q = torch.softmax(torch.randn(vocab, generator=g), -1)
+    for name, probs in (("target row", p), ("bonus residual (p - q)+", (p - q).clamp(min=0))):
+        # Every fp32 number is an integer multiple of 2^-149, so this CDF is exact.
+        cdf = list(itertools.accumulate(int(Fraction(x) * 2**149) for x in probs.tolist()))
+        points, expected = [], []
+        for i in torch.randint(1, vocab, (64,), generator=g).tolist():
+            k_first = -(-(cdf[i - 1] << 24) // cdf[-1])  # the first grid point past cdf(i - 1)
+            for k in (k_first - 1, k_first):
+                token, margin = _exact_inverse_cdf(cdf, k)
+                # float64 sums are exact to ~1e-12 of a step; points closer than that are ambiguous
+                if margin > 1e-6:
+                    points.append(k)
+                    expected.append(token)
+        u = torch.tensor(points, dtype=torch.float64).div(2**24).float()  # exact in fp32
+        got = sample_with_uniforms(probs.expand(len(points), -1), u)
+        wrong = [(k, e, int(t)) for k, e, t in zip(points, expected, got) if e != int(t)]
+        assert not wrong, f"{name}: {len(wrong)} of {len(points)} points misplaced, e.g. {wrong[:3]}"

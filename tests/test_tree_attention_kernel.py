@@ -1,4 +1,4 @@
-"""The Triton tree-attention kernel against the reference (trtssd.backends.attention).
+"""The Triton tree-attention kernel against the reference (trtssd.models.attention).
 
 CPU: the kernel runs under Triton's interpreter in ONE child process started with
 TRITON_INTERPRET=1 (Triton fixes its mode when it is first imported, so the variable must be
@@ -103,7 +103,7 @@ def case_tensors(spec: dict, device: str):
 
 def run_case(spec: dict, device: str) -> dict:
     """Kernel vs reference for one case; returns the max abs error and the output scale."""
-    from trtssd.backends.attention import tree_attention_reference
+    from trtssd.models.attention import tree_attention_reference
     from trtssd.kernels.packed_mask import pack_mask
     from trtssd.kernels.tree_attention_triton import KernelConfig, tree_attention_packed, tree_attention_triton
 
@@ -219,7 +219,7 @@ def test_bad_inputs_are_rejected():
 
 
 def test_dispatch_with_kv_rows_gathers_the_pool_rows():
-    from trtssd.backends.attention import tree_attention, tree_attention_reference
+    from trtssd.models.attention import tree_attention, tree_attention_reference
 
     gen = torch.Generator().manual_seed(0)
     q, pool_k, pool_v = (torch.randn(*s, generator=gen) for s in ((2, 4, 3, 8), (5, 2, 20, 8), (5, 2, 20, 8)))
@@ -429,7 +429,7 @@ def test_compiled_kernel_matches_reference(case):
 def test_cuda_dispatch_uses_the_kernel(monkeypatch):
     pytest.importorskip("triton")
     import trtssd.kernels
-    from trtssd.backends import attention
+    from trtssd.models import attention
     from trtssd.kernels import tree_attention_triton as kt
 
     calls = []
@@ -457,7 +457,7 @@ def test_tensorrt_plugin_matches_reference():
     pytest.importorskip("tensorrt")
     pytest.importorskip("triton")
     from plugins.tree_attention.network import EngineShapes, build_tree_attention_engine, run_tree_attention_engine
-    from trtssd.backends.attention import tree_attention_reference
+    from trtssd.models.attention import tree_attention_reference
     from trtssd.kernels.packed_mask import pack_mask
 
     case = spec("trt", H=8, Hkv=2, n=7, D=64, S=96, prefix=[40, 80], mask="tree", dtype="bfloat16", seed=5)

@@ -1,10 +1,12 @@
-"""Deterministic properties of trtssd.spec_decode.verify (the statistics are in test_exactness.py)."""
+"""Unit-level properties of trtssd.spec_decode.verify: deterministic ones, and one-position statistics
+(the statistics over whole speculations are in test_exactness.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from exact_chain import check_counts
 from trtssd.sampling import SamplingParams, make_generator, processed_probs
 from trtssd.spec_decode.verify import _bonus_distribution, verify
 
@@ -97,18 +99,28 @@ def test_positions_past_num_proposals_are_ignored():
     assert (outcomes[0][0] <= num).all()
 
 
-def test_statistics_per_position():
-    batch, k, vocab = 1000, 4, 8
-    g, logits, q, proposals = _random_case(5, batch, k, vocab)
-    num = torch.randint(0, k + 1, (batch,), generator=g)
-    res = verify(logits, proposals, num, q, torch.zeros(batch, dtype=torch.bool), [WARM] * batch, g)
-    proposed = res.per_position_proposed()
-    accepted = res.per_position_accepted()
-    assert proposed.tolist() == [int((num > i).sum()) for i in range(k)]
-    assert accepted.tolist() == [int((res.num_accepted > i).sum()) for i in range(k)]
-    assert (accepted <= proposed).all() and accepted.sum() == res.num_accepted.sum()
-    assert torch.equal(res.accepted.sum(1), res.num_accepted)
-    assert torch.equal(res.num_emitted, res.num_accepted + 1)
+def test_statistics_per_position_on_a_hand_built_batch():
+    # Greedy rows, so every outcome is known in advance: p at (row, position) is one-hot on
+    # chain[row, position]; a proposal is accepted while it equals that token.
+    k, vocab = 3, 5
+    chain = torch.tensor([[1, 2, 3, 4], [0, 0, 0, 0], [4, 3, 2, 1], [2, 2, 2, 2], [3, 1, 4, 1]])
+    logits = 5.0 * torch.nn.functional.one_hot(chain, vocab).float()
+    proposals = torch.tensor([
+        [1, 2, 3],  # all 3 right              -> 3 accepted, bonus chain[0, 3] = 4
+        [0, 1, 0],  # wrong at position 1      -> 1 accepted, bonus chain[1, 1] = 0
+        [4, 3, 0],  # 2 proposals, both right  -> 2 accepted, bonus chain[2, 2] = 2
+        [0, 0, 0],  # no proposals             -> 0 accepted, bonus chain[3, 0] = 2
+        [0, 1, 4],  # wrong at position 0      -> 0 accepted, bonus chain[4, 0] = 3
+    ])
+    num = torch.tensor([3, 3, 2, 0, 3])
+    res = verify(logits, proposals, num, None, torch.ones(5, dtype=torch.bool), [GREEDY] * 5, None)
+    assert res.num_accepted.tolist() == [3, 1, 2, 0, 0]
+    assert res.bonus.tolist() == [4, 0, 2, 2, 3]
+    assert res.num_emitted.tolist() == [4, 2, 3, 1, 1]
+    assert res.accepted.tolist() == [[True, True, True], [True, False, False], [True, True, False],
+                                     [False, False, False], [False, False, False]]
+    assert res.per_position_proposed().tolist() == [4, 4, 3]
+    assert res.per_position_accepted().tolist() == [3, 2, 1]
 
 
 def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch():
@@ -123,6 +135,58 @@ def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch():
                   [params[i] for i in sub], [make_generator(params[i]) for i in sub])
     assert torch.equal(full.num_accepted[sub], part.num_accepted)
     assert torch.equal(full.bonus[sub], part.bonus)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.9, top_k=3),
+                                    SamplingParams(temperature=1.1, top_p=0.7, min_p=0.1)],
+                         ids=["top-k", "top-p+min-p"])
+def test_point_mass_proposals_against_a_truncated_target(params):
+    """Fast-backup proposals (q = delta_s) for every token s, inside and outside the truncated
+    target's support: s is accepted with probability p(s) (never when p(s) = 0), the bonus after a
+    rejection follows p with s removed and renormalised, the first emitted token follows p, and
+    the bonus after an acceptance follows p at the next position."""
+    vocab, per_token = 8, 20_000
+    g = torch.Generator().manual_seed(7)
+    logits = 2 * torch.randn(2, vocab, generator=g)  # position 0, then the position after s
+    p = processed_probs(logits, [params] * 2).double()
+    assert 0 < int((p[0] > 0).sum()) < vocab, "the truncation should remove some tokens"
+    batch = vocab * per_token
+    s = torch.arange(vocab).repeat_interleave(per_token)
+    res = verify(logits.expand(batch, -1, -1), s[:, None], torch.ones(batch, dtype=torch.long), None,
+                 torch.ones(batch, dtype=torch.bool), [params] * batch, g)
+    accepted = res.num_accepted == 1
+    first = torch.where(accepted, s, res.bonus)
+    assert (p[0][first] > 0).all()
+    parts = [("bonus after an acceptance", res.bonus[accepted], p[1])]
+    for token in range(vocab):
+        mine = s == token
+        rejected = mine & ~accepted
+        if p[0, token] == 0:
+            assert not accepted[mine].any(), f"token {token} has p = 0 and was accepted"
+        assert not (res.bonus[rejected] == token).any(), f"rejected token {token} came back as the bonus"
+        rest = p[0].clone()
+        rest[token] = 0
+        parts += [(f"accepted, s = {token}", accepted[mine].long(), torch.stack([1 - p[0, token], p[0, token]])),
+                  (f"bonus after rejecting {token}", res.bonus[rejected], rest / rest.sum()),
+                  (f"first token, s = {token}", first[mine], p[0])]
+    check = check_counts(parts)
+    assert check.ok, check
+
+
+def test_q_rows_the_proposals_were_not_drawn_from_are_refused():
+    # The proposals come from q, but the rows given to verify are q cut to its top 2 (the shipped
+    # rows drifted from the sampled ones). Wherever a proposal has no mass there, verify must
+    # refuse rather than accept with a ratio against the wrong q. (A drift that keeps every
+    # proposal's mass positive is caught statistically: test_exactness.py's shifted-q control.)
+    batch, k, vocab = 200, 3, 8
+    g, logits, q, proposals = _random_case(8, batch, k, vocab)
+    shipped = processed_probs(q.log(), [SamplingParams(top_k=2)] * batch)
+    assert (shipped.gather(-1, proposals[..., None]) == 0).any()
+    num = torch.full((batch,), k)
+    ratio_rows = torch.zeros(batch, dtype=torch.bool)
+    verify(logits, proposals, num, q, ratio_rows, [WARM] * batch, g)  # the rows they came from
+    with pytest.raises(ValueError, match="probability 0"):
+        verify(logits, proposals, num, shipped, ratio_rows, [WARM] * batch, g)
 
 
 def test_zero_residual_falls_back_to_p():

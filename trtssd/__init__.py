@@ -1,12 +1,14 @@
 """trtssd: speculative speculative decoding (Saguaro) with target and draft in separate ranks."""
 
+import importlib.metadata
+
 from trtssd.config import Backup, Mode, ModelRef, RuntimeConfig, SpeculativeConfig
 from trtssd.sampling import SamplingParams
 
-__version__ = "0.1.0"
-
 
 def __getattr__(name: str):
+    if name == "__version__":  # pyproject.toml's, as installed: one place to bump
+        return importlib.metadata.version("trtssd")
     # LLM pulls in MPI and the model code; import it only when asked for.
     if name in ("LLM", "RequestOutput"):
         from trtssd import llm

@@ -1,4 +1,5 @@
-"""Engine directories: a target and a draft model, prepared once, loaded fast by each rank.
+"""Building engine directories: a target and a draft model, prepared once, loaded fast by each rank
+(reading them back is ``trtssd.models.engine_dir`` and ``trtssd.backends.loading``).
 
 ``build_engine`` turns a model reference (a registered name such as the default "smollm2-135m",
 or a path to a GGUF file) into ``<out_dir>/<name>/``::
@@ -20,7 +21,6 @@ merges, special tokens), else ``TokenizerMismatchError``.
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import hashlib
 import json
@@ -30,25 +30,31 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
 
+from trtssd.config import ModelRef
+from trtssd.hashing import file_sha256
 from trtssd.kernels.int4_draft import DEFAULT_MAX_TOKENS as FUSED_MAX_TOKENS
-from trtssd.models.config import ModelConfig, RopeConfig
+from trtssd.kernels.int4_draft import load_extension
+from trtssd.models.config import ModelConfig
+from trtssd.models.engine_dir import DRAFT_FILE, is_engine_dir, FORMAT_VERSION, MANIFEST, TARGET_FILE, TOKENIZER_DIR
+from trtssd.models.loader import GGUFTensor, gguf_config, gguf_sources, load_config, read_gguf, unpermute_rows
+from trtssd.models.quant import gguf_linear_groups, pack_nibbles
+from trtssd.models.smollm2 import ensure_smollm2_gguf
+from trtssd.models.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1  # bump when the directory layout or a stored tensor's meaning changes
 DEFAULT_ENGINE = "smollm2-135m"  # the embedded default: SmolLM2-135M-Instruct, Q4_1 GGUF
 DEFAULT_HEAD_TOP_K = 16  # draft logits re-scored exactly in fp32 (docs/draft.md: agreement 0.90 -> ~1.0)
-MANIFEST = "manifest.json"
-TARGET_FILE = "target/model.gguf"
-DRAFT_FILE = "draft/model.safetensors"
-TOKENIZER_DIR = "tokenizer"
 # Code whose change alters what a build produces: its hash is part of the no-op check.
-_BUILD_CODE = ("build.py", "models/quant.py", "models/loader.py")
+_BUILD_CODE = ("build.py", "models/quant.py", "models/loader.py", "models/config.py")
 _TOKENIZER_KEYS = (
     "tokenizer.ggml.model",
     "tokenizer.ggml.pre",
@@ -85,17 +91,6 @@ class Recipe:
             raise ValueError(f"head_top_k must be a non-negative int, got {self.head_top_k!r}")
 
 
-@dataclass(frozen=True)
-class LoadedEngine:
-    """Both sides of an engine, loaded in one process (benchmarks, tests; the runtime loads each
-    side in its own rank with ``load_side``)."""
-
-    target: Any  # TorchExecutor, fp32
-    draft: Any  # TorchExecutor over the int4 model
-    tokenizer: Any  # transformers tokenizer, or None for tokenizer-less test models
-    manifest: dict
-
-
 # -- references ------------------------------------------------------------------------------
 
 
@@ -103,8 +98,6 @@ REGISTERED = (DEFAULT_ENGINE,)  # engine names that resolve to a model fetched o
 
 
 def _registered_source(name: str) -> Path:
-    from trtssd.models.smollm2 import ensure_smollm2_gguf
-
     return {DEFAULT_ENGINE: ensure_smollm2_gguf}[name]()
 
 
@@ -150,15 +143,7 @@ def default_engine(out_dir: str | os.PathLike | None = None) -> Path:
     return build_engine(DEFAULT_ENGINE, out_dir)
 
 
-# -- hashing and tokenizer identity ----------------------------------------------------------
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+# -- build-code hashes and tokenizer identity ---------------------------------------------
 
 
 def _code_hashes() -> dict[str, str]:
@@ -168,15 +153,8 @@ def _code_hashes() -> dict[str, str]:
 
 def gguf_tokenizer_fields(path: Path) -> dict[str, Any]:
     """The tokenizer-defining metadata of a GGUF file (absent keys are left out)."""
-    from gguf import GGUFReader
-
-    fields = GGUFReader(path).fields
-    out = {}
-    for key in _TOKENIZER_KEYS:
-        if key in fields:
-            value = fields[key].contents()
-            out[key] = list(value) if isinstance(value, (list, tuple)) else value
-    return out
+    metadata = read_gguf(path, arrays=_TOKENIZER_KEYS).metadata
+    return {key: metadata[key] for key in _TOKENIZER_KEYS if key in metadata}
 
 
 def _first_difference(a: Any, b: Any) -> str:
@@ -203,30 +181,12 @@ def tokenizer_sha256(fields: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
-# -- config <-> json ---------------------------------------------------------------------------
-
-
-def config_to_json(cfg: ModelConfig) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-def config_from_json(data: Mapping[str, Any]) -> ModelConfig:
-    data = dict(data)
-    rope = dict(data.pop("rope"))
-    if rope.get("freq_divisors") is not None:
-        rope["freq_divisors"] = tuple(rope["freq_divisors"])
-    data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
-    return ModelConfig(rope=RopeConfig(**rope), **data)
-
-
 # -- the draft file ----------------------------------------------------------------------------
 
 
 def _plain_params(gguf, cfg: ModelConfig, linear_names: set[str]) -> dict[str, torch.Tensor]:
     """fp32 parameters that are not 4-bit projections: embedding, norms, biases, and an untied
     lm_head's exact weight (the draft head re-scores its top candidates with it)."""
-    from trtssd.models.loader import GGUFTensor, gguf_sources, unpermute_rows
-
     out = {}
     for param, sources in gguf_sources(cfg).items():
         module = param.rpartition(".")[0]
@@ -246,12 +206,6 @@ def _plain_params(gguf, cfg: ModelConfig, linear_names: set[str]) -> dict[str, t
 
 def _write_draft(source: Path, dest: Path, progress: bool) -> dict:
     """Quantize ``source`` (GGUF) into the draft safetensors; returns the manifest's draft notes."""
-    from safetensors.torch import save_file
-    from tqdm import tqdm
-
-    from trtssd.models.loader import gguf_config, read_gguf
-    from trtssd.models.quant import gguf_linear_groups, pack_nibbles
-
     gguf = read_gguf(source)
     cfg = gguf_config(gguf)
     tensors: dict[str, torch.Tensor] = {}
@@ -273,67 +227,13 @@ def _write_draft(source: Path, dest: Path, progress: bool) -> dict:
     if requantized:
         log.info("draft: %d projections re-quantized to 4 bits (not Q4_1 in the GGUF): %s", len(requantized), requantized)
     return {
-        "config": config_to_json(cfg),
+        "config": cfg.to_json(),
         "projections_exact_from_q4_1": len(exact),
         "projections_requantized": requantized,
     }
 
 
-def load_draft_model(engine_dir: str | os.PathLike, manifest: Mapping[str, Any] | None = None, *,
-                     fused: bool = True):
-    """The draft ``LlamaModel`` with Int4Linear projections, from an engine directory. ``fused``:
-    run few-row forwards through the compiled layers (trtssd.kernels.int4_draft; compiled on
-    first use); when they cannot be built the torch layers are used and a warning says why."""
-    from safetensors.torch import load_file
-
-    from trtssd.models.llama import LlamaModel
-    from trtssd.models.quant import Int4Groups, quantize_linears, unpack_nibbles
-
-    engine_dir = Path(engine_dir)
-    manifest = manifest if manifest is not None else load_manifest(engine_dir)
-    draft = manifest["draft"]
-    cfg = config_from_json(draft["config"])
-    stored = load_file(str(engine_dir / draft["path"]))
-    model = LlamaModel(cfg)
-    groups = {}
-    for name, _ in model.linears():
-        try:
-            groups[name] = Int4Groups(
-                unpack_nibbles(stored[f"int4.{name}.codes"]),
-                stored[f"int4.{name}.scales"].float(),
-                stored[f"int4.{name}.mins"].float(),
-            )
-        except KeyError as err:
-            raise ValueError(f"{engine_dir / draft['path']}: missing tensor {err}; rebuild the engine") from None
-    quantize_linears(model, groups, head_top_k=draft["head_top_k"])
-    model.load_weights({k[len("param."):]: v for k, v in stored.items() if k.startswith("param.")})
-    if fused:
-        _attach_fused_layers(model)
-    return model.eval()
-
-
-def _attach_fused_layers(model) -> None:
-    from trtssd.kernels.int4_draft import FusedInt4Layers
-
-    try:
-        model.fused_layers = FusedInt4Layers.from_model(model)
-    except Exception as err:  # noqa: BLE001 - a speed-up only: the torch layers compute the same
-        log.warning("draft runs on the torch layers only; fused int4 layers unavailable: %s", err)
-
-
 # -- build ------------------------------------------------------------------------------------
-
-
-def load_manifest(engine_dir: str | os.PathLike) -> dict:
-    path = Path(engine_dir) / MANIFEST
-    if not path.is_file():
-        raise FileNotFoundError(f"{engine_dir} is not an engine directory (no {MANIFEST}); build one with `trtssd build`")
-    manifest = json.loads(path.read_text())
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
-            f"{path}: engine format_version {manifest.get('format_version')!r}, this trtssd reads {FORMAT_VERSION}; rebuild it"
-        )
-    return manifest
 
 
 def _fingerprint(recipe: Recipe, target_sha: str, draft_sha: str) -> dict:
@@ -437,8 +337,6 @@ def _build(recipe: Recipe, engine: Path, fingerprint: dict, progress: bool) -> N
 def _prepare_compiled_layers() -> None:
     """Compile the draft's fused layers now (cached per machine by torch), so the first draft rank
     does not spend its start-up on it; a failure only means the draft will use the torch layers."""
-    from trtssd.kernels.int4_draft import load_extension
-
     try:
         load_extension()
     except Exception as err:  # noqa: BLE001 - reported again, with the reason, when a draft loads
@@ -457,8 +355,6 @@ def _save_tokenizer(source: Path, fields: Mapping[str, Any], stage: Path) -> dic
     """Save the Hugging Face tokenizer rebuilt from the GGUF (None when the GGUF has none)."""
     if "tokenizer.ggml.tokens" not in fields:
         return None
-    from trtssd.models.tokenizer import load_tokenizer
-
     load_tokenizer(source).save_pretrained(str(stage / TOKENIZER_DIR))
     return {
         "path": TOKENIZER_DIR,
@@ -471,16 +367,12 @@ def _save_tokenizer(source: Path, fields: Mapping[str, Any], stage: Path) -> dic
 
 
 def _manifest(recipe: Recipe, fingerprint: dict, draft_notes: dict, tokenizer: dict | None, stage: Path) -> dict:
-    from importlib.metadata import version
-
-    import trtssd
-
     cfg = draft_notes.pop("config")
-    target_cfg = _target_config(recipe.target)
+    target_cfg = load_config(recipe.target)
     return {
         "format_version": FORMAT_VERSION,
         "name": recipe.name,
-        "architecture": config_to_json(target_cfg),
+        "architecture": target_cfg.to_json(),
         "tokenizer": tokenizer,
         "target": {
             "backend": "torch",
@@ -506,58 +398,22 @@ def _manifest(recipe: Recipe, fingerprint: dict, draft_notes: dict, tokenizer: d
             "recipe": {"name": recipe.name, "target": str(recipe.target), "draft": str(recipe.draft)},
             "fingerprint": fingerprint,
             "outputs": {rel: file_sha256(stage / rel) for rel in (TARGET_FILE, DRAFT_FILE)},
-            "versions": {"trtssd": trtssd.__version__, "torch": torch.__version__, "gguf": version("gguf")},
+            "versions": {"trtssd": version("trtssd"), "torch": torch.__version__, "gguf": version("gguf")},
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         },
     }
 
 
-def _target_config(path: Path) -> ModelConfig:
-    from trtssd.models.loader import load_config
-
-    return load_config(path)
-
-
-# -- load -------------------------------------------------------------------------------------
-
-
-def load_side(engine_dir: str | os.PathLike, side: str, *, max_seqs: int = 4, max_seq_len: int = 2048,
-              fused: bool = True, **executor_options):
-    """One side's executor ("target": fp32 TorchExecutor; "draft": the int4 TorchExecutor, with the
-    compiled few-row layers unless ``fused`` is False)."""
-    from trtssd.backends.torch_backend import TorchExecutor
-
-    engine_dir = Path(engine_dir)
-    manifest = load_manifest(engine_dir)
-    if side == "target":
-        return TorchExecutor.from_pretrained(
-            engine_dir / manifest["target"]["path"], max_seqs=max_seqs, max_seq_len=max_seq_len, **executor_options
-        )
-    if side == "draft":
-        model = load_draft_model(engine_dir, manifest, fused=fused)
-        return TorchExecutor(model, max_seqs=max_seqs, max_seq_len=max_seq_len, **executor_options)
-    raise ValueError(f"side must be 'target' or 'draft', got {side!r}")
-
-
-def load_engine_tokenizer(engine_dir: str | os.PathLike):
-    """The engine's Hugging Face tokenizer, or None when its model has none (tiny test models)."""
-    engine_dir = Path(engine_dir)
-    tokenizer = load_manifest(engine_dir)["tokenizer"]
-    if tokenizer is None:
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(engine_dir / tokenizer["path"]))
-
-
-def load_engine(engine_dir: str | os.PathLike, *, max_seqs: int = 4, max_seq_len: int = 2048,
-                fused: bool = True) -> LoadedEngine:
-    """Target executor, draft executor, tokenizer and manifest of an engine directory (``fused``:
-    see ``load_side``)."""
-    engine_dir = Path(engine_dir)
-    return LoadedEngine(
-        target=load_side(engine_dir, "target", max_seqs=max_seqs, max_seq_len=max_seq_len),
-        draft=load_side(engine_dir, "draft", max_seqs=max_seqs, max_seq_len=max_seq_len, fused=fused),
-        tokenizer=load_engine_tokenizer(engine_dir),
-        manifest=load_manifest(engine_dir),
-    )
+def resolve_models(engine: str | None, target: ModelRef | None, draft: ModelRef | None) -> tuple[ModelRef, ModelRef]:
+    """The (target, draft) pair to load: explicit refs, an engine directory, or the default."""
+    if target is not None:
+        if engine is not None:
+            raise ValueError("give either engine or target/draft, not both")
+        return target, draft if draft is not None else target
+    if draft is not None:
+        raise ValueError("a draft ModelRef needs a target ModelRef too")
+    if engine is None:
+        engine = str(default_engine())
+    if not is_engine_dir(engine):
+        raise ValueError(f"engine {engine!r} is not an engine directory (no manifest.json); build one with `trtssd build`")
+    return ModelRef(engine, "target"), ModelRef(engine, "draft")

@@ -12,13 +12,23 @@ import logging
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+from mpi4py import MPI
+
+from trtssd.backends.loading import load_executor
+from trtssd.build import resolve_models
 from trtssd.config import Mode, ModelRef, RuntimeConfig, SpeculativeConfig, batch_tokens
+from trtssd.models.tokenizer import load_tokenizer
 from trtssd.runtime.affinity import pin, restore, split_cores
+from trtssd.runtime.draft_client import DraftClient, LocalDraft
+from trtssd.runtime.draft_link import DraftLink
+from trtssd.runtime.draft_server import load_worker
 from trtssd.runtime.target_loop import TargetLoop
 from trtssd.runtime.metrics import SpecMetrics
 from trtssd.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+LAUNCHES = ("spawn", "world", "local")
 
 Prompt = str | Sequence[int]
 
@@ -39,22 +49,22 @@ class LLM:
              (built on first use).
     target, draft: explicit model references instead of an engine (tests use tiny models).
     launch:  "spawn" starts the draft as its own MPI job (the default; survives a dying draft);
-             "world" uses the last rank of an ``mpiexec -n 2`` job as the draft.
+             "world" uses the last rank of an ``mpiexec -n 2`` job as the draft; "local" runs the
+             draft in this process, after each answer instead of during verification (same
+             tokens, no overlap: for debugging and tests, never for speed).
     Every other keyword goes to SpeculativeConfig (mode, k, fanout, fanout_budget, saguaro_c, backup,
     draft_timeout_s) or RuntimeConfig (max_batch, max_seq_len, *_threads, *_cores).
     """
 
     def __init__(self, engine: str | None = None, *, target: ModelRef | None = None,
                  draft: ModelRef | None = None, launch: str = "spawn", **options):
-        from trtssd.backends.loading import resolve_models
-
         spec_opts = {k: options.pop(k) for k in list(options) if k in SpeculativeConfig.__dataclass_fields__}
         run_opts = {k: options.pop(k) for k in list(options) if k in RuntimeConfig.__dataclass_fields__}
         if options:
             allowed = sorted(set(SpeculativeConfig.__dataclass_fields__) | set(RuntimeConfig.__dataclass_fields__))
             raise TypeError(f"unknown LLM option(s) {sorted(options)}; allowed: {allowed}")
-        if launch not in ("spawn", "world"):
-            raise ValueError(f"launch must be 'spawn' or 'world'; got {launch!r}")
+        if launch not in LAUNCHES:
+            raise ValueError(f"launch must be one of {LAUNCHES}; got {launch!r}")
         self.spec = SpeculativeConfig(**spec_opts)
         runtime = RuntimeConfig(**run_opts)
         if runtime.target_cores is None and runtime.draft_cores is None:
@@ -72,24 +82,23 @@ class LLM:
         self._closed = False
 
     def _start(self, target: ModelRef, draft: ModelRef, launch: str) -> TargetLoop:
-        from trtssd.backends.loading import load_executor, load_tokenizer
-
         # Room for the verify block on the target; the draft also holds glue + tree scratch.
         target_len = self.runtime.max_seq_len + self.spec.k + 1
         draft_len = target_len + self.spec.k * self.spec.budget
         executor = load_executor(target, max_seqs=self.runtime.max_batch, max_seq_len=target_len,
                                  max_batch_tokens=batch_tokens(self.spec, self.runtime))
-        self.tokenizer = load_tokenizer(target)
+        self.tokenizer = load_tokenizer(target.path)
         link = None
         if self.spec.mode is not Mode.AR:
             link = self._start_draft(launch, draft, executor.vocab_size, draft_len)
         return TargetLoop(executor, self.spec, self.runtime.max_batch, self.tokenizer, _eos_ids(self.tokenizer), link)
 
-    def _start_draft(self, launch: str, draft: ModelRef, vocab_size: int, draft_len: int):
-        from mpi4py import MPI
-
-        from trtssd.runtime.draft_link import DraftLink
-
+    def _start_draft(self, launch: str, draft: ModelRef, vocab_size: int, draft_len: int) -> DraftClient:
+        if launch == "local":
+            worker = load_worker(draft, self.spec, self.runtime, draft_len)
+            if worker.executor.vocab_size != vocab_size:
+                raise ValueError(f"draft vocab_size {worker.executor.vocab_size} != target vocab_size {vocab_size}")
+            return LocalDraft(worker, self.runtime.max_batch)
         if launch == "world":
             world = MPI.COMM_WORLD
             if world.Get_size() < 2:
@@ -129,28 +138,19 @@ class LLM:
         """Yield text deltas as tokens are committed: by default one delta per round (a
         speculative round commits its accepted tokens at once); ``per_token=True`` splits each
         round into one delta per token, for a steady typing cadence. Either way the deltas join
-        to the final text, stop strings included."""
+        to the final text: text that could still turn out to start a stop string is held back
+        until it is known not to, so nothing yielded is ever taken back."""
         seq_id = self.loop.add_request(self._encode(prompt), params or SamplingParams())
-        ids: list[int] = []
-        committed = sent = ""  # the engine's text so far; what has been yielded
         done = False
         while not done:
             for out in self.loop.step():
                 if out.seq_id != seq_id:
                     continue
                 done = out.finished
-                committed += out.text_delta
-                if per_token and self.tokenizer is not None:
-                    for tok in out.new_token_ids:
-                        ids.append(tok)
-                        # Never past the engine's text: it is cut at stop strings.
-                        text = self.tokenizer.decode(ids, skip_special_tokens=True)[: len(committed)]
-                        if len(text) > len(sent) and not text.endswith("\ufffd"):
-                            yield text[len(sent):]
-                            sent = text
-                if len(committed) > len(sent):
-                    yield committed[len(sent):]
-                    sent = committed
+                # The loop already split the text per token; nothing is decoded again here.
+                for delta in out.token_deltas if per_token else (out.text_delta,):
+                    if delta:
+                        yield delta
         self.loop.pop_finished(seq_id)
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:

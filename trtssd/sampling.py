@@ -175,22 +175,25 @@ def make_generator(
 def draw_uniforms(
     generators: Generators, rows: int, cols: int, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
-    """Uniform [0, 1) numbers [rows, cols]; row i draws its ``cols`` numbers from its generator.
+    """Uniform [0, 1) float64 numbers [rows, cols]; row i draws its ``cols`` from its generator.
+
+    float64, because fp32 uniforms lie on a 2^-24 grid, which misplaces the mass of the many tiny
+    probabilities of a large vocabulary (~5e-4 total variation at V = 49152).
 
     Rows sharing torch's global RNG are drawn in one call; each seeded row costs one small call,
     so a seeded row consumes exactly ``cols`` numbers whatever the batch looks like.
     """
     if generators is None or isinstance(generators, torch.Generator):
-        return torch.rand(rows, cols, generator=generators, device=device)
+        return torch.rand(rows, cols, generator=generators, device=device, dtype=torch.float64)
     if len(generators) != rows:
         raise ValueError(f"generators has {len(generators)} entries, expected one per row ({rows})")
-    out = torch.empty(rows, cols, device=device)
+    out = torch.empty(rows, cols, device=device, dtype=torch.float64)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:
-        out[unseeded] = torch.rand(len(unseeded), cols, device=device)
+        out[unseeded] = torch.rand(len(unseeded), cols, device=device, dtype=torch.float64)
     for i, g in enumerate(generators):
         if g is not None:
-            out[i] = torch.rand(cols, generator=g, device=device)
+            out[i] = torch.rand(cols, generator=g, device=device, dtype=torch.float64)
     return out
 
 
@@ -199,9 +202,15 @@ def sample_with_uniforms(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
     Returns the first token whose cumulative mass exceeds u * total, so a zero-probability token
     is never returned (its cumulative mass equals its predecessor's).
+
+    The CDF is summed in float64: in fp32 each token's increment is rounded to the ulp of the
+    running sum (~6e-8 near 0.5), which at V = 49152 (masses ~2e-5) moves the boundaries between
+    tokens by ~3e-4 of the mass in all. u should be float64 (`draw_uniforms`' are): fp32
+    uniforms lie on a 2^-24 grid, which by itself limits each token's probability to a multiple
+    of 2^-24.
     """
-    cdf = probs.cumsum(dim=-1)
-    target = (u * cdf[..., -1])[..., None]
+    cdf = probs.double().cumsum(dim=-1)
+    target = (u.double() * cdf[..., -1])[..., None]
     idx = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True)[..., 0]
     # u * total can round up to total; fall back to the last token with mass in that case.
     vocab = probs.shape[-1]

@@ -3,62 +3,70 @@
 from __future__ import annotations
 
 import logging
+import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.config import ModelRef
+from trtssd.models.engine_dir import is_engine_dir, load_draft_model, load_manifest
+from trtssd.models.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def is_engine_dir(path: str | Path) -> bool:
-    return (Path(path) / "manifest.json").is_file()
-
-
-def resolve_models(engine: str | None, target: ModelRef | None, draft: ModelRef | None) -> tuple[ModelRef, ModelRef]:
-    """The (target, draft) pair to load: explicit refs, an engine directory, or the default."""
-    if target is not None:
-        if engine is not None:
-            raise ValueError("give either engine or target/draft, not both")
-        return target, draft if draft is not None else target
-    if draft is not None:
-        raise ValueError("a draft ModelRef needs a target ModelRef too")
-    if engine is None:
-        from trtssd.build import default_engine
-
-        engine = str(default_engine())
-    if not is_engine_dir(engine):
-        raise ValueError(f"engine {engine!r} is not an engine directory (no manifest.json); build one with `trtssd build`")
-    return ModelRef(engine, "target"), ModelRef(engine, "draft")
-
-
-def load_executor(ref: ModelRef, max_seqs: int, max_seq_len: int, max_batch_tokens: int | None = None):
+def load_executor(ref: ModelRef, max_seqs: int, max_seq_len: int, max_batch_tokens: int | None = None) -> TorchExecutor:
     """max_batch_tokens: most tokens in one forward (a prefill, or a batch's verify/glue/tree)."""
     if is_engine_dir(ref.path):
-        from trtssd.build import load_side
-
         return load_side(ref.path, ref.side, max_seqs=max_seqs, max_seq_len=max_seq_len,
                          max_batch_tokens=max_batch_tokens)
-    from trtssd.backends.torch_backend import TorchExecutor
-
     return TorchExecutor.from_pretrained(ref.path, dtype=_DTYPES[ref.dtype], max_seqs=max_seqs,
                                          max_seq_len=max_seq_len, max_batch_tokens=max_batch_tokens)
 
 
-def load_tokenizer(ref: ModelRef):
-    """The Hugging Face tokenizer of a model, or None for tokenizer-less test models."""
-    path = Path(ref.path)
-    if is_engine_dir(path):
-        from trtssd.build import load_engine_tokenizer
+# --- engine directories --------------------------------------------------------------------------
 
-        return load_engine_tokenizer(path)
-    from transformers import AutoTokenizer
 
-    if path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    if any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return AutoTokenizer.from_pretrained(str(path))
-    return None
+def load_side(engine_dir: str | os.PathLike, side: str, *, max_seqs: int = 4, max_seq_len: int = 2048,
+              fused: bool = True, **executor_options) -> TorchExecutor:
+    """One side's executor ("target": fp32 TorchExecutor; "draft": the int4 TorchExecutor, with the
+    compiled few-row layers unless ``fused`` is False)."""
+    engine_dir = Path(engine_dir)
+    manifest = load_manifest(engine_dir)
+    if side == "target":
+        return TorchExecutor.from_pretrained(
+            engine_dir / manifest["target"]["path"], max_seqs=max_seqs, max_seq_len=max_seq_len, **executor_options
+        )
+    if side == "draft":
+        model = load_draft_model(engine_dir, manifest, fused=fused)
+        return TorchExecutor(model, max_seqs=max_seqs, max_seq_len=max_seq_len, **executor_options)
+    raise ValueError(f"side must be 'target' or 'draft', got {side!r}")
+
+
+@dataclass(frozen=True)
+class LoadedEngine:
+    """Both sides of an engine, loaded in one process (benchmarks, tests; the runtime loads each
+    side in its own rank with ``load_side``)."""
+
+    target: TorchExecutor  # fp32
+    draft: TorchExecutor  # over the int4 model
+    tokenizer: Any  # transformers tokenizer, or None for tokenizer-less test models
+    manifest: dict
+
+
+def load_engine(engine_dir: str | os.PathLike, *, max_seqs: int = 4, max_seq_len: int = 2048,
+                fused: bool = True) -> LoadedEngine:
+    """Target executor, draft executor, tokenizer and manifest of an engine directory (``fused``:
+    see ``load_side``)."""
+    engine_dir = Path(engine_dir)
+    return LoadedEngine(
+        target=load_side(engine_dir, "target", max_seqs=max_seqs, max_seq_len=max_seq_len),
+        draft=load_side(engine_dir, "draft", max_seqs=max_seqs, max_seq_len=max_seq_len, fused=fused),
+        tokenizer=load_tokenizer(engine_dir),
+        manifest=load_manifest(engine_dir),
+    )

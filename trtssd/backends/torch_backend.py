@@ -10,6 +10,7 @@ sequence afterwards. Works on CPU (fp32 or bf16; linears packed for oneDNN) and 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -19,6 +20,7 @@ import torch
 from trtssd.backends.base import CapacityError, Chunk
 from trtssd.models.config import ModelConfig
 from trtssd.models.llama import AttentionBatch, Linear, LlamaModel
+from trtssd.models.loader import load_model
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +42,6 @@ def available_memory_bytes(device: torch.device) -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import os
-
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -181,8 +181,6 @@ class TorchExecutor:
     ) -> "TorchExecutor":
         """Load a Hugging Face directory or a GGUF file (see trtssd.models.loader). The KV pool
         and scratch are checked against the budget before the weights are read."""
-        from trtssd.models.loader import load_model
-
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
         device = torch.device(device)

@@ -10,10 +10,15 @@ from dataclasses import replace
 from typing import Iterable
 
 import numpy as np
+import torch
 
+from trtssd.backends.base import chain_chunk
+from trtssd.backends.loading import load_executor
+from trtssd.build import resolve_models
 from trtssd.bench.config import TRTSSD_SYSTEMS
 from trtssd.bench.records import RunResult
-from trtssd.plan import (
+from trtssd.config import ModelRef
+from trtssd.runtime.speedup_model import (
     CostCurve,
     Timings,
     Workload,
@@ -21,20 +26,13 @@ from trtssd.plan import (
     predict_ar,
     predict_sd,
     predict_ssd,
-    prediction_row,
+    scratch_sequences,
+    time_forward,
 )
+from trtssd.spec_decode.backup import ngram_proposal
+from trtssd.spec_decode.tree import TreeLayout
 
 log = logging.getLogger(__name__)
-
-
-def _time_forward(executor, chunks, repeats: int) -> float:
-    """Median seconds of one forward (region slots are overwritten each time: repeatable)."""
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        executor.forward(chunks)
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times[1:]))  # the first call warms caches
 
 
 def _cost_curve(samples: dict[int, list[float]]) -> CostCurve:
@@ -48,14 +46,6 @@ def measure_timings(engine: str | None = None, target: str | None = None, draft:
     runtime uses: 1-token steps, (K+1)-token verify/glue chains and tree steps of B branches per
     sequence, for each batch size, after a ``context``-token prefix. The handshake is not
     measured here (see compare_with_plan)."""
-    import torch
-
-    from trtssd.backends.base import chain_chunk
-    from trtssd.backends.loading import load_executor, resolve_models
-    from trtssd.config import ModelRef
-    from trtssd.spec_decode.backup import ngram_proposal
-    from trtssd.spec_decode.tree import TreeLayout
-
     batch_sizes, ks, budgets = sorted(set(batch_sizes)), sorted(set(ks)), sorted(set(budgets))
     refs = resolve_models(engine, ModelRef(target) if target else None, ModelRef(draft) if draft else None)
     old_threads = torch.get_num_threads()
@@ -67,24 +57,10 @@ def measure_timings(engine: str | None = None, target: str | None = None, draft:
             # max_seq_len also bounds the tokens of one forward (the executor's max_batch_tokens).
             widest = max(batch_sizes) * max(max(ks) + 1, max(budgets))
             ex = load_executor(ref, max_seqs=max(batch_sizes), max_seq_len=max(context + region + 8, widest))
-            seqs = _prefill_dummy(ex, max(batch_sizes), context, chain_chunk)
-            chain: dict[int, list[float]] = {}
-            for b in batch_sizes:
-                for n in sorted({1} | {k + 1 for k in ks}):
-                    chunks = [chain_chunk(s, [1] * n, context) for s in seqs[:b]]
-                    chain.setdefault(b * n, []).append(_time_forward(ex, chunks, repeats))
-            curves[side] = _cost_curve(chain)
-            if side == "draft":
-                tree: dict[int, list[float]] = {}
-                for b in batch_sizes:
-                    for k in ks:
-                        for bud in budgets:
-                            lay = [TreeLayout(s, context, k, torch.arange(bud) % (k + 1), torch.ones(bud, dtype=torch.long))
-                                   for s in seqs[:b]]
-                            step = (k - 1) // 2  # a middle step: its mask is of average width
-                            chunks = [l.step_chunk(step, torch.ones(bud, dtype=torch.long)) for l in lay]
-                            tree.setdefault(b * bud, []).append(_time_forward(ex, chunks, repeats))
-                curves["tree"] = _cost_curve(tree)
+            with scratch_sequences(ex, max(batch_sizes), context) as seqs:
+                curves[side] = _cost_curve(_chain_samples(ex, seqs, batch_sizes, ks, context, repeats))
+                if side == "draft":
+                    curves["tree"] = _cost_curve(_tree_samples(ex, seqs, batch_sizes, ks, budgets, context, repeats))
             del ex
             gc.collect()
         history = list(range(context)) * 4
@@ -99,15 +75,28 @@ def measure_timings(engine: str | None = None, target: str | None = None, draft:
                    name=f"measured on {platform.node()} ({where}, {threads} thread(s))")
 
 
-def _prefill_dummy(executor, n: int, context: int, chain_chunk) -> list[int]:
-    seqs = list(range(n))
-    for s in seqs:
-        executor.add_sequence(s)
-    vocab = min(executor.vocab_size, 1000)
-    for s in seqs:
-        executor.forward([chain_chunk(s, [(7 * i + s) % vocab for i in range(context)], 0, last_logits_only=True)])
-        executor.commit(s, context)
-    return seqs
+def _chain_samples(ex, seqs: list[int], batch_sizes, ks, context: int, repeats: int) -> dict[int, list[float]]:
+    """Seconds of 1-token steps and (K+1)-token chains, by tokens in the pass."""
+    samples: dict[int, list[float]] = {}
+    for b in batch_sizes:
+        for n in sorted({1} | {k + 1 for k in ks}):
+            chunks = [chain_chunk(s, [1] * n, context) for s in seqs[:b]]
+            samples.setdefault(b * n, []).append(time_forward(ex, chunks, repeats))
+    return samples
+
+
+def _tree_samples(ex, seqs: list[int], batch_sizes, ks, budgets, context: int, repeats: int) -> dict[int, list[float]]:
+    """Seconds of a tree step of B branches per sequence, by tokens in the pass."""
+    samples: dict[int, list[float]] = {}
+    for b in batch_sizes:
+        for k in ks:
+            for bud in budgets:
+                lay = [TreeLayout(s, context, k, torch.arange(bud) % (k + 1), torch.ones(bud, dtype=torch.long))
+                       for s in seqs[:b]]
+                step = (k - 1) // 2  # a middle step: its mask is of average width
+                chunks = [l.step_chunk(step, torch.ones(bud, dtype=torch.long)) for l in lay]
+                samples.setdefault(b * bud, []).append(time_forward(ex, chunks, repeats))
+    return samples
 
 
 def workload_from_summary(spec: dict, k: int) -> Workload:
@@ -133,17 +122,32 @@ def compare_with_plan(runs: list[RunResult], timings: Timings, handshake_s: floa
     overhead (the ar run's mean decode step minus the measured forward, per batch size), so ar's
     prediction is a calibration rather than a test; and, unless given, the handshake (the sd
     run's draft wait per round minus its K measured draft steps). a and h are the run's own.
+
+    Either difference can come out negative (the forwards timed in isolation after the runs were
+    slower than inside them). The model cannot use a negative time: it uses 0, a warning says so,
+    and every row records the measured value next to the one used, so an ar row then shows the
+    calibration's own error instead of matching by construction.
     """
     ok = [r for r in runs if r.error is None and r.key.system in TRTSSD_SYSTEMS]
     overhead = _overhead_by_batch(ok, timings)
+    for b, value in sorted(overhead.items()):
+        if value < 0:
+            log.warning("batch %d: ar's decode step is %.2f ms shorter than the target forward timed after the runs; "
+                        "the plan uses a host overhead of 0 (the ar row's error is the calibration's)", b, -value * 1e3)
     if handshake_s is None:
-        handshake_s = _handshake_from_sd(ok, timings)
+        measured_handshake = _handshake_from_sd(ok, timings)
         handshake_source = "sd runs"
+        if measured_handshake is not None and measured_handshake < 0:
+            log.warning("sd's draft wait per round is %.2f ms shorter than its K draft steps timed after the runs; "
+                        "the plan uses a handshake of 0", -measured_handshake * 1e3)
+        handshake_s = max(measured_handshake or 0.0, 0.0)
     else:
+        measured_handshake = None
         handshake_source = "given"
     for run in ok:
         key = run.key
-        t = replace(timings, overhead_s=overhead.get(key.batch_size, 0.0), handshake_s=handshake_s)
+        measured_overhead = overhead.get(key.batch_size)
+        t = replace(timings, overhead_s=max(measured_overhead or 0.0, 0.0), handshake_s=handshake_s)
         if key.system == "ar":
             pred = predict_ar(t, key.batch_size)
         else:
@@ -158,31 +162,38 @@ def compare_with_plan(runs: list[RunResult], timings: Timings, handshake_s: floa
                 preds = [predict_ssd(t, w, key.k, budget, key.batch_size, b) for b in options or ["neural"]]
                 pred = max(preds, key=lambda p: p.tokens_per_s)
         measured = run.summary.get("decode_tokens_per_s")
-        row = prediction_row(pred)
-        row.update(overhead_ms=round(t.overhead_s * 1e3, 4), handshake_ms=round(t.handshake_s * 1e3, 4),
+        row = pred.to_dict()
+        row.update(overhead_ms=round(t.overhead_s * 1e3, 4), overhead_measured_ms=_ms(measured_overhead),
+                   handshake_ms=round(t.handshake_s * 1e3, 4), handshake_measured_ms=_ms(measured_handshake),
                    handshake_from=handshake_source, calibration_only=key.system == "ar",
                    measured_decode_tokens_per_s=measured,
                    error=round(pred.tokens_per_s / measured - 1, 4) if measured else None)
         run.prediction = row
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 4)
+
+
 def _overhead_by_batch(runs: list[RunResult], timings: Timings) -> dict[int, float]:
-    """Per batch size: the ar run's mean decode step minus the measured target forward."""
+    """Per batch size with an ar run: its mean decode step minus the measured target forward
+    (negative when the forward timed slower in isolation than in the run)."""
     out = {}
     for b in sorted({r.key.batch_size for r in runs}):
         steps = [b / r.summary["decode_tokens_per_s"] for r in runs
                  if r.key.system == "ar" and r.key.batch_size == b and r.summary.get("decode_tokens_per_s")]
         if steps:
-            out[b] = max(float(np.mean(steps)) - timings.target_step(b), 0.0)
+            out[b] = float(np.mean(steps)) - timings.target_step(b)
     return out
 
 
-def _handshake_from_sd(runs: list[RunResult], timings: Timings) -> float:
+def _handshake_from_sd(runs: list[RunResult], timings: Timings) -> float | None:
+    """Median over the sd runs of their draft wait per round minus K draft steps (None: no sd run)."""
     values = []
     for r in runs:
         if r.key.system != "sd" or not r.summary["spec"]["num_drafts"]:
             continue
         s = r.summary["spec"]
         wait = s["draft_wait_time_s"] / s["num_drafts"]
-        values.append(max(wait - r.key.k * timings.draft_step(r.key.batch_size), 0.0))
-    return float(np.median(values)) if values else 0.0
+        values.append(wait - r.key.k * timings.draft_step(r.key.batch_size))
+    return float(np.median(values)) if values else None

@@ -6,8 +6,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from trtssd.build import resolve_models
 from trtssd.bench.prompts import BUILTIN_SETS
 from trtssd.bench.records import RunKey
+from trtssd.config import ModelRef
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +66,6 @@ class BenchConfig:
 
     def model_refs(self):
         """(target, draft) ModelRefs exactly as the LLM resolves them."""
-        from trtssd.backends.loading import resolve_models
-        from trtssd.config import ModelRef
-
         target = ModelRef(self.target) if self.target else None
         draft = ModelRef(self.draft) if self.draft else None
         return resolve_models(self.engine, target, draft)

@@ -16,7 +16,7 @@ import numpy as np
 
 from trtssd.bench.config import BenchConfig
 from trtssd.bench.records import RunResult
-from trtssd.plan import Timings
+from trtssd.runtime.speedup_model import Timings
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +153,12 @@ def render_markdown(report: BenchReport) -> str:
     if predicted:
         lines += ["", "## Speedup model vs measurement", "",
                   (f"Component times: {report.timings.name}." if report.timings else ""),
-                  "ar rows calibrate the per-step host overhead (so they match by construction); sd and ssd rows "
-                  "are predictions from the measured forward costs and each run's own acceptance and hit rate.", "",
+                  "ar rows calibrate the per-step host overhead of their batch size (the ar runs' mean decode "
+                  "step minus the target forward timed after the runs), so on average they match by construction, "
+                  "unless that difference is negative: then the model uses 0 (results.json keeps the measured "
+                  "value as overhead_measured_ms) and the ar rows' errors are the calibration's own. sd and ssd "
+                  "rows are predictions from the measured forward costs and each run's own acceptance and hit "
+                  "rate.", "",
                   "| system | dataset | batch | temp | a-derived tokens/round | h | predicted decode tok/s | "
                   "measured | error |",
                   "|---|---|---:|---:|---:|---:|---:|---:|---:|"]

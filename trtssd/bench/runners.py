@@ -224,7 +224,9 @@ class HFRunner:
 class LlamaCppRunner:
     """llama.cpp's own decoding of the same GGUF (llama-cpp-python), batch 1.
 
-    Unverified here: llama-cpp-python is not installed on the development machine.
+    Not run here: llama-cpp-python is not in the environment by default. When docs/draft.md
+    installed it, its default build crashed on that CPU in AMX weight repacking, which
+    scripts/bench_llamacpp.py turns off and this runner does not.
     """
 
     def __init__(self, cfg: BenchConfig):

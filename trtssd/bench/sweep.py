@@ -21,6 +21,7 @@ from trtssd.bench.report import (
     machine_info,
 )
 from trtssd.bench.runners import HFRunner, LlamaCppRunner, SkipRun, TrtssdRunner
+from trtssd.models.tokenizer import load_tokenizer
 from trtssd.runtime.metrics import SpecMetrics
 
 log = logging.getLogger(__name__)
@@ -69,10 +70,8 @@ def run_benchmark(cfg: BenchConfig, command: str | None = None) -> "BenchReport"
     """Run the sweep, calibrate, compare with the plan; returns the report (nothing written yet)."""
     from tqdm import tqdm
 
-    from trtssd.backends.loading import load_tokenizer
-
     target_ref, _ = cfg.model_refs()
-    tokenizer = load_tokenizer(target_ref)
+    tokenizer = load_tokenizer(target_ref.path)
     items = {ds: load_prompt_set(ds, cfg.prompts_per_set) for ds in cfg.datasets}
     items = {_dataset_name(ds, its): its for ds, its in items.items()}
     encoded = {ds: encode_prompts(its, tokenizer) for ds, its in items.items()}

@@ -43,8 +43,6 @@ def load_extension():
 
 def ineligible_reason(model) -> str | None:
     """Why ``model`` cannot use the fused layers, or None when it can."""
-    from trtssd.models.quant import Int4Linear
-
     cfg = model.config
     if model.device.type != "cpu":
         return f"model is on {model.device}, the fused layers are CPU code"
@@ -55,8 +53,10 @@ def ineligible_reason(model) -> str | None:
     for name, module in model.linears():
         if name == "lm_head":
             continue
-        if not isinstance(module, Int4Linear):
-            return f"{name} is {type(module).__name__}, not Int4Linear"
+        # The fused layers read an Int4Linear's packed weights; checked by those attributes, not
+        # by class, so that kernels stay below the model code that uses them.
+        if not (hasattr(module, "packed") and hasattr(module, "scale_zeros")):
+            return f"{name} is {type(module).__name__}, not Int4Linear (no packed int4 weights)"
         if module.bias is not None:
             return f"{name} has a bias, not implemented in the fused layers"
     return None

@@ -1,6 +1,6 @@
 """Fused tree attention in Triton: one kernel launch for a whole decode / verify / tree step.
 
-Semantics are those of ``trtssd.backends.attention.tree_attention_reference``: every query sees
+Semantics are those of ``trtssd.models.attention.tree_attention_reference``: every query sees
 its sequence's committed prefix (slots ``[0, prefix_len)``) in full and region slot
 ``prefix_len + r`` iff bit ``r`` of its packed mask row is set; grouped-query heads.
 

@@ -1,4 +1,5 @@
-"""Model configuration for the Llama family, read from a Hugging Face config.json or GGUF metadata.
+"""Model configuration for the Llama family, read from a Hugging Face config.json or GGUF metadata
+(and to and from the JSON an engine's manifest keeps).
 
 One frozen ``ModelConfig`` describes every supported architecture; the differences between them
 are a handful of switches (q/k/v bias, per-head q/k RMSNorm, tied embeddings, RoPE scaling).
@@ -7,7 +8,7 @@ are a handful of switches (q/k/v bias, per-head q/k RMSNorm, tied embeddings, Ro
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Collection, Mapping
 
 import torch
@@ -201,6 +202,20 @@ class ModelConfig:
             max_position_embeddings=int(key("context_length", 4096)),
             eos_token_ids=() if eos is None else (int(eos),),
         )
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict (an engine's manifest stores its models' configs this way)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "ModelConfig":
+        """The inverse of ``to_json`` (JSON turned the tuples into lists)."""
+        data = dict(data)
+        rope = dict(data.pop("rope"))
+        if rope.get("freq_divisors") is not None:
+            rope["freq_divisors"] = tuple(rope["freq_divisors"])
+        data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
+        return cls(rope=RopeConfig(**rope), **data)
 
 
 _HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

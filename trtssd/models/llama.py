@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trtssd.backends.attention import tree_attention, visibility_mask
+from trtssd.models.attention import tree_attention, visibility_mask
 from trtssd.models.config import ModelConfig
 
 log = logging.getLogger(__name__)

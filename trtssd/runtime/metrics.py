@@ -6,18 +6,25 @@ keeping them costs no device synchronisation.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+
+from trtssd.config import Source
+
+# Wall-clock fields: a round's time is added once to each request that took part in it, and once
+# (not once per request) to the loop's aggregate.
+ROUND_TIME_FIELDS = ("verify_time_s", "draft_wait_time_s", "round_time_s", "draft_answer_time_s",
+                     "draft_prespec_time_s")
 
 
 @dataclass
 class SpecMetrics:
     num_drafts: int = 0  # rounds that verified a speculation
     num_draft_tokens: int = 0  # proposals verified
-    num_accepted_tokens: int = 0  # proposals accepted
+    num_accepted_tokens: int = 0  # proposals accepted and emitted (not those cut by a stop)
     accepted_per_position: list[int] = field(default_factory=list)
     proposed_per_position: list[int] = field(default_factory=list)
-    cache_hits: int = 0
-    cache_misses: int = 0
+    cache_hits: int = 0  # SSD rounds answered from the cache
+    cache_misses: int = 0  # SSD rounds answered by a backup (sd rounds are neither)
     accepted_on_hit: int = 0
     accepted_on_miss: int = 0
     neural_backups: int = 0
@@ -31,7 +38,8 @@ class SpecMetrics:
     tree_branches: int = 0  # SSD: tree branches per sequence summed over rounds (auto fan-out's picks)
     degraded_rounds: int = 0  # rounds decoded in ar mode because the draft was lost
 
-    def record_round(self, k: int, accepted: int, hit: bool, backup: str) -> None:
+    def record_round(self, k: int, accepted: int, source: Source) -> None:
+        """One verified round: ``accepted`` of its k proposals were accepted and emitted."""
         if len(self.accepted_per_position) < k:
             grow = k - len(self.accepted_per_position)
             self.accepted_per_position += [0] * grow
@@ -43,27 +51,38 @@ class SpecMetrics:
             self.proposed_per_position[i] += 1
             if i < accepted:
                 self.accepted_per_position[i] += 1
-        if hit:
+        if source is Source.HIT:
             self.cache_hits += 1
             self.accepted_on_hit += accepted
-        else:
+        elif source in (Source.NEURAL, Source.FAST):
             self.cache_misses += 1
             self.accepted_on_miss += accepted
-        if backup == "neural":
-            self.neural_backups += 1
-        elif backup == "fast":
-            self.fast_backups += 1
+            if source is Source.NEURAL:
+                self.neural_backups += 1
+            else:
+                self.fast_backups += 1
 
-    def merge(self, other: "SpecMetrics") -> None:
-        for name, value in asdict(other).items():
-            mine = getattr(self, name)
+    def add_times(self, **seconds: float) -> None:
+        """Add one round's wall-clock times (names from ROUND_TIME_FIELDS)."""
+        for name, value in seconds.items():
+            if name not in ROUND_TIME_FIELDS:
+                raise ValueError(f"{name} is not a round time; allowed: {ROUND_TIME_FIELDS}")
+            setattr(self, name, getattr(self, name) + value)
+
+    def merge(self, other: "SpecMetrics", times: bool = True) -> None:
+        """Add another's counters, and its round times unless ``times`` is False (the loop's
+        aggregate adds each round's times once, not once per request in it)."""
+        for f in fields(self):
+            if f.name in ROUND_TIME_FIELDS and not times:
+                continue
+            mine, value = getattr(self, f.name), getattr(other, f.name)
             if isinstance(value, list):
                 if len(mine) < len(value):
                     mine += [0] * (len(value) - len(mine))
                 for i, v in enumerate(value):
                     mine[i] += v
             else:
-                setattr(self, name, mine + value)
+                setattr(self, f.name, mine + value)
 
     @property
     def mean_acceptance_length(self) -> float:

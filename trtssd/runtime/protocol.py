@@ -8,9 +8,9 @@ tokens per row and the q' rows they were sampled from) travel through the shared
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from trtssd.config import ModelRef, RuntimeConfig, SpeculativeConfig
+from trtssd.config import ModelRef, RuntimeConfig, Source, SpeculativeConfig
 from trtssd.sampling import SamplingParams
 
 CONTROL_TAG = 11  # target -> draft
@@ -70,7 +70,7 @@ class Outcome:
 
 @dataclass(frozen=True)
 class SpeculateRequest:
-    round_id: int
+    round_id: int  # the target's round counter; the reply must carry the same one
     outcomes: tuple[Outcome, ...]
     buffer: int  # which of the two shared buffers the reply must write (alternates per round)
     verify_time_s: float  # the target's last verify time, for the backup policy
@@ -81,14 +81,12 @@ class SpeculateRequest:
 class SpeculateReply:
     round_id: int
     buffer: int
-    hit: tuple[bool, ...]  # per row: answered from the cache
-    backup: tuple[str, ...]  # per row: "" on a hit, else "neural" or "fast"
+    sources: tuple[Source, ...]  # per row: where its speculation came from
     point_mass: tuple[bool, ...]  # per row: deterministic proposal (verified as a point mass)
     has_probs: bool  # q' rows were written (False when every row is greedy or point mass)
     answer_time_s: float  # draft time spent answering this request
     prespec_time_s: float  # draft time spent pre-speculating after the previous reply
     tree_branches: int = 0  # tree branches per sequence that pre-speculation used (auto fan-out's pick)
-    timings: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ import torch
 from trtssd.backends.base import Chunk, Executor, chain_chunk
 from trtssd.config import Mode, SpeculativeConfig
 from trtssd.runtime import protocol as P
-from trtssd.runtime.draft_link import DraftLink
+from trtssd.runtime.detokenizer import IncrementalDetokenizer
+from trtssd.runtime.draft_client import DraftClient
 from trtssd.runtime.metrics import SpecMetrics
 from trtssd.runtime.transport import PeerLost
 from trtssd.sampling import SamplingParams, make_generator, processed_probs, sample
@@ -40,12 +41,17 @@ class Sequence:
     bonus: int | None = None  # last emitted token, not yet in the target's KV
     outcome: P.Outcome | None = None  # to report to the draft next round
     finish_reason: str | None = None
-    text: str = ""
+    detokenizer: IncrementalDetokenizer | None = None  # made at the first token, with a tokenizer
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
     on_draft: bool = False  # the draft rank knows this sequence
+
+    @property
+    def text(self) -> str:
+        """The text streamed so far (all of it once finished): the deltas joined."""
+        return self.detokenizer.text if self.detokenizer is not None else ""
 
 
 @dataclass(frozen=True)
@@ -57,11 +63,12 @@ class StepOutput:
     text_delta: str
     finished: bool
     finish_reason: str | None
+    token_deltas: tuple[str, ...] = ()  # each new token's share of text_delta (for per-token streams)
 
 
 class TargetLoop:
     def __init__(self, target: Executor, spec: SpeculativeConfig, max_batch: int, tokenizer=None,
-                 eos_token_ids: tuple[int, ...] = (), draft: DraftLink | None = None):
+                 eos_token_ids: tuple[int, ...] = (), draft: DraftClient | None = None):
         if spec.mode is not Mode.AR and draft is None:
             raise ValueError(f"mode {spec.mode.value!r} needs a draft rank")
         self.target = target
@@ -190,6 +197,9 @@ class TargetLoop:
         self._released = []
         self._round += 1
         reply, tokens, probs = self.draft.speculate(req)
+        if reply.round_id != req.round_id:
+            self.draft.mark_dead(f"reply to round {reply.round_id} while waiting for round {req.round_id}")
+            raise PeerLost("the draft answered another round")
         t1 = time.perf_counter()
         k = self.spec.k
         chunks = [
@@ -204,6 +214,9 @@ class TargetLoop:
         )
         t2 = time.perf_counter()
         self._last_verify_s = t2 - t1
+        times = dict(verify_time_s=t2 - t1, draft_wait_time_s=t1 - t0, round_time_s=t2 - t0,
+                     draft_answer_time_s=reply.answer_time_s, draft_prespec_time_s=reply.prespec_time_s)
+        self.metrics.add_times(**times)
         accepted = result.num_accepted.tolist()
         bonus = result.bonus.tolist()
         proposals = tokens.tolist()
@@ -211,25 +224,28 @@ class TargetLoop:
             n = accepted[i]
             self.target.commit(seq.seq_id, n + 1)
             seq.outcome = P.Outcome(seq.seq_id, n, bonus[i])
-            m = seq.metrics
-            m.record_round(k, n, reply.hit[i], reply.backup[i])
-            m.verify_time_s += t2 - t1
-            m.draft_wait_time_s += t1 - t0
-            m.round_time_s += t2 - t0
-            m.draft_answer_time_s += reply.answer_time_s
-            m.draft_prespec_time_s += reply.prespec_time_s
-            m.tree_branches += reply.tree_branches
-            self._emit(seq, proposals[i][:n] + [bonus[i]], outputs)
+            emitted = self._emit(seq, proposals[i][:n] + [bonus[i]], outputs)
+            # Count only what was emitted: a stop inside the round cuts accepted tokens too.
+            seq.metrics.record_round(k, min(n, emitted), reply.sources[i])
+            seq.metrics.add_times(**times)
+            seq.metrics.tree_branches += reply.tree_branches
 
     # --- emission and stops ------------------------------------------------------------------
 
-    def _emit(self, seq: Sequence, tokens: list[int], outputs: list[StepOutput]) -> None:
-        """Append tokens up to the first stop; nothing past a stop is emitted."""
+    def _emit(self, seq: Sequence, tokens: list[int], outputs: list[StepOutput]) -> int:
+        """Append tokens up to the first stop (nothing past a stop is emitted) and stream their
+        text. Returns how many tokens were kept."""
         params = seq.params
         new: list[int] = []
+        deltas: list[str] = []
         for tok in tokens:
             new.append(tok)
             seq.output.append(tok)
+            # One token at a time, so a stop string ends the output at the token that completes
+            # it, however the tokens were grouped into rounds.
+            deltas.append(self._update_text(seq, tok))
+            if seq.finish_reason:  # a stop string
+                break
             if not params.ignore_eos and tok in self.eos_token_ids:
                 seq.finish_reason = "stop"
             elif tok in params.stop_token_ids:
@@ -237,34 +253,35 @@ class TargetLoop:
             elif len(seq.output) >= params.max_tokens:
                 seq.finish_reason = "length"
             if seq.finish_reason:
+                deltas[-1] += self._finish_text(seq)
                 break
         seq.bonus = seq.output[-1]
         seq.metrics.num_generated_tokens = len(seq.output)
-        delta = self._update_text(seq, new)
-        outputs.append(StepOutput(seq.seq_id, new, delta, seq.finish_reason is not None, seq.finish_reason))
+        outputs.append(StepOutput(seq.seq_id, new, "".join(deltas), seq.finish_reason is not None,
+                                  seq.finish_reason, tuple(deltas)))
+        return len(new)
 
-    def _update_text(self, seq: Sequence, new: list[int]) -> str:
+    def _update_text(self, seq: Sequence, tok: int) -> str:
+        """Text that is safe to stream after one more token; a completed stop string finishes
+        the sequence."""
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
-        if seq.params.stop:
-            hit = _first_stop(text, seq.params.stop, len(seq.text))
-            if hit is not None:
-                # Keep the tokens up to the one completing the stop string; drop the rest.
-                while len(seq.output) > 1:
-                    shorter = self.tokenizer.decode(seq.output[:-1], skip_special_tokens=True)
-                    if _first_stop(shorter, seq.params.stop, 0) is None:
-                        break
-                    seq.output.pop()
-                    if new:
-                        new.pop()
-                text = text[:hit]
-                seq.finish_reason = "stop"
-        if text.endswith("\ufffd") and seq.finish_reason is None:
-            return ""  # an incomplete UTF-8 sequence: wait for the next token
-        delta = text[len(seq.text):] if text.startswith(seq.text) else text
-        seq.text = text
+        if seq.detokenizer is None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.params.stop)
+        delta = seq.detokenizer.add(tok)
+        if seq.detokenizer.stop_string is not None:
+            seq.finish_reason = "stop"
         return delta
+
+    def _finish_text(self, seq: Sequence) -> str:
+        """The text held back (a possible stop string's start, an incomplete character) of a
+        sequence that ended for another reason."""
+        if seq.detokenizer is None:
+            return ""
+        rest = seq.detokenizer.finish()
+        if seq.detokenizer.stop_string is not None:  # one that needed an incomplete character
+            seq.finish_reason = "stop"
+        return rest
 
     def _retire(self) -> None:
         still = []
@@ -276,7 +293,7 @@ class TargetLoop:
             self.target.release(seq.seq_id)
             if seq.on_draft:
                 self._released.append(seq.seq_id)
-            self.metrics.merge(seq.metrics)
+            self.metrics.merge(seq.metrics, times=False)  # round times were added once per round
             self.finished[seq.seq_id] = seq
         self.running = still
         if self._released and self.speculating and not self.running and not self.waiting:
@@ -292,12 +309,3 @@ def _verify_layout(bonus: int, proposals: torch.Tensor, committed: int):
     chunk = chain_chunk(-1, [bonus] + proposals.tolist(), committed)
     return chunk.tokens, chunk.positions, chunk.slots, chunk.mask
 
-
-def _first_stop(text: str, stops: tuple[str, ...], search_from: int) -> int | None:
-    """Index where the earliest stop string starts, looking from a little before search_from."""
-    best = None
-    for stop in stops:
-        idx = text.find(stop, max(0, search_from - len(stop) + 1))
-        if idx != -1 and (best is None or idx < best):
-            best = idx
-    return best

@@ -1,13 +1,13 @@
-"""Backup speculators for cache misses and the policy choosing between them (ALGORITHM.md §4).
+"""The fast backup speculator for cache misses (ALGORITHM.md §4).
 
-The fast backup proposes by prompt lookup (the continuation of the most recent earlier match of
-the sequence's last n-gram). Its tokens are deterministic, so verification treats them as a point
-mass and stays exact at any temperature.
+It proposes by prompt lookup (the continuation of the most recent earlier match of the sequence's
+last n-gram). Its tokens are deterministic, so verification treats them as a point mass and stays
+exact at any temperature. The choice between it and the neural backup is the speedup model's
+(`trtssd.runtime.speedup_model.prefer_neural`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 
@@ -32,34 +32,3 @@ def _lookup_next(seq: list[int], max_ngram: int) -> int:
                 return seq[start + n]
     return seq[-1] if seq else 0
 
-
-@dataclass
-class BackupCosts:
-    """Running estimates (EMA) of what each choice costs and yields, in seconds and tokens."""
-
-    verify_s: float = 0.05  # target verify time per round
-    prespec_s: float = 0.0  # draft pre-speculation per round (SSD): with verify, what a round lasts
-    jit_s: float = 0.05  # draft time for a K-token just-in-time draft of the missing rows
-    tokens_neural: float = 2.5  # tokens per round when the row's speculation came from the draft
-    tokens_fast: float = 1.1  # tokens per round after a fast-backup proposal
-    decay: float = 0.9
-
-    def observe(self, name: str, value: float) -> None:
-        setattr(self, name, self.decay * getattr(self, name) + (1 - self.decay) * value)
-
-
-def prefer_neural(batch: int, misses: int, tokens_hit: float, costs: BackupCosts) -> bool:
-    """Neural backup iff it gives more tokens per second for this round.
-
-    A neural miss delays the whole batch by the JIT draft; a fast miss delays nothing but yields
-    fewer tokens. At batch 1 that usually favours neural, at large batch fast (paper §4). A round
-    lasts as long as the longer of the target's verify and the draft's pre-speculation, which run
-    side by side; the JIT draft comes on top of that.
-    """
-    if misses == 0:
-        return False
-    hit_tokens = (batch - misses) * tokens_hit
-    round_s = max(costs.verify_s, costs.prespec_s)
-    neural = (hit_tokens + misses * costs.tokens_neural) / (round_s + costs.jit_s)
-    fast = (hit_tokens + misses * costs.tokens_fast) / round_s
-    return neural > fast

@@ -60,7 +60,8 @@ def saguaro_probs(q: torch.Tensor, fanout: torch.Tensor | int, c: float) -> torc
     take = torch.arange(top.shape[-1], device=q.device) < (fanout[..., None] + 1)  # F < 0 -> none
     scaled = torch.zeros_like(q, dtype=torch.bool).scatter_(-1, top, take)
     weighted = torch.where(scaled, q * c, q)
-    return weighted / weighted.sum(dim=-1, keepdim=True)
+    # Rows with nothing scaled stay q bit for bit (renormalising would move them by rounding).
+    return torch.where(scaled.any(dim=-1, keepdim=True), weighted / weighted.sum(dim=-1, keepdim=True), q)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from trtssd import kernels
+
 
 def visibility_mask(prefix_len: torch.Tensor, region_mask: torch.Tensor, total_len: int) -> torch.Tensor:
     """Expand per-query region masks to a full key mask.
@@ -73,9 +75,7 @@ def tree_attention(
     visible: optional precomputed visibility mask for the reference path (see there); the
     kernel works from prefix_len and region_mask and ignores it."""
     if q.is_cuda:
-        from trtssd.kernels import load_tree_attention_kernel
-
-        kernel = load_tree_attention_kernel()
+        kernel = kernels.load_tree_attention_kernel()
         if kernel is not None:
             return kernel(q, k, v, prefix_len, region_mask, scale, kv_rows=kv_rows)
     if kv_rows is not None:

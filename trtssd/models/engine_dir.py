@@ -1,0 +1,79 @@
+"""An engine directory as the loaders see it: its layout, its manifest and its int4 draft model.
+
+``trtssd.build`` writes engine directories (the layout is described there); this module reads
+them, and the executors on top of them are made by ``trtssd.backends.loading``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from safetensors.torch import load_file
+
+from trtssd.kernels.int4_draft import FusedInt4Layers
+from trtssd.models.config import ModelConfig
+from trtssd.models.llama import LlamaModel
+from trtssd.models.quant import Int4Groups, quantize_linears, unpack_nibbles
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1  # bump when the directory layout or a stored tensor's meaning changes
+MANIFEST = "manifest.json"
+TARGET_FILE = "target/model.gguf"
+DRAFT_FILE = "draft/model.safetensors"
+TOKENIZER_DIR = "tokenizer"
+
+
+def is_engine_dir(path: str | os.PathLike) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def load_manifest(engine_dir: str | os.PathLike) -> dict:
+    path = Path(engine_dir) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{engine_dir} is not an engine directory (no {MANIFEST}); build one with `trtssd build`")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path}: engine format_version {manifest.get('format_version')!r}, this trtssd reads {FORMAT_VERSION}; rebuild it"
+        )
+    return manifest
+
+
+def load_draft_model(engine_dir: str | os.PathLike, manifest: Mapping[str, Any] | None = None, *,
+                     fused: bool = True) -> LlamaModel:
+    """The draft ``LlamaModel`` with Int4Linear projections, from an engine directory. ``fused``:
+    run few-row forwards through the compiled layers (trtssd.kernels.int4_draft; compiled on
+    first use); when they cannot be built the torch layers are used and a warning says why."""
+    engine_dir = Path(engine_dir)
+    manifest = manifest if manifest is not None else load_manifest(engine_dir)
+    draft = manifest["draft"]
+    cfg = ModelConfig.from_json(draft["config"])
+    stored = load_file(str(engine_dir / draft["path"]))
+    model = LlamaModel(cfg)
+    groups = {}
+    for name, _ in model.linears():
+        try:
+            groups[name] = Int4Groups(
+                unpack_nibbles(stored[f"int4.{name}.codes"]),
+                stored[f"int4.{name}.scales"].float(),
+                stored[f"int4.{name}.mins"].float(),
+            )
+        except KeyError as err:
+            raise ValueError(f"{engine_dir / draft['path']}: missing tensor {err}; rebuild the engine") from None
+    quantize_linears(model, groups, head_top_k=draft["head_top_k"])
+    model.load_weights({k[len("param."):]: v for k, v in stored.items() if k.startswith("param.")})
+    if fused:
+        _attach_fused_layers(model)
+    return model.eval()
+
+
+def _attach_fused_layers(model: LlamaModel) -> None:
+    try:
+        model.fused_layers = FusedInt4Layers.from_model(model)
+    except Exception as err:  # noqa: BLE001 - a speed-up only: the torch layers compute the same
+        log.warning("draft runs on the torch layers only; fused int4 layers unavailable: %s", err)

@@ -1,0 +1,80 @@
+"""What the target loop needs from a draft rank, and an in-process draft behind the same calls.
+
+`DraftLink` (trtssd.runtime.draft_link) is the real one: a separate MPI process. `LocalDraft` runs
+the same `DraftServer` and `DraftWorker` in this process, synchronously: the target loop's tests
+use it without MPI, and it serves single-process debugging. It pre-speculates right after
+answering instead of during the verification, which changes timing, never tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Protocol
+
+import torch
+
+from trtssd.runtime import protocol as P
+from trtssd.runtime.draft_server import DraftServer
+from trtssd.runtime.draft_worker import DraftWorker
+from trtssd.runtime.transport import PeerLost, SharedBuffers
+
+log = logging.getLogger(__name__)
+
+
+class DraftClient(Protocol):
+    alive: bool  # False once the draft is lost; the target then decodes in ar mode
+    pid: int | None
+
+    def send(self, msg: object) -> bool:
+        """Send a Prefill or Release; False when the draft is gone (nothing was sent)."""
+
+    def speculate(self, req: P.SpeculateRequest) -> tuple[P.SpeculateReply, torch.Tensor, torch.Tensor | None]:
+        """The speculation rows for ``req``: (reply, tokens [B, K], q' rows [B, K, V] or None).
+        Raises PeerLost when the draft fails or does not answer; the client is then dead."""
+
+    def mark_dead(self, reason: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LocalDraft:
+    def __init__(self, worker: DraftWorker, max_batch: int):
+        layout = P.BufferLayout(max_batch, worker.k, worker.executor.vocab_size, None)
+        self.server = DraftServer(worker, SharedBuffers(layout, bytearray(SharedBuffers.nbytes(layout)), lambda: None))
+        self.alive = True
+        self.failure: str | None = None
+        self.pid = os.getpid()
+
+    def send(self, msg: object) -> bool:
+        if not self.alive:
+            return False
+        try:
+            self.server.handle(msg)
+        except Exception as err:  # noqa: BLE001 - a failing draft degrades the target, as over MPI
+            self.mark_dead(f"draft error: {type(err).__name__}: {err}")
+            return False
+        return True
+
+    def speculate(self, req: P.SpeculateRequest) -> tuple[P.SpeculateReply, torch.Tensor, torch.Tensor | None]:
+        if not self.alive:
+            raise PeerLost(self.failure or "draft unavailable")
+        try:
+            reply = self.server.handle(req)
+            self.server.after_reply()
+        except Exception as err:  # noqa: BLE001 - reported as a lost draft, as over MPI
+            self.mark_dead(f"draft error: {type(err).__name__}: {err}")
+            raise PeerLost(self.failure) from err
+        rows = len(req.outcomes)
+        buffers = self.server.buffers
+        probs = buffers.probs(reply.buffer)[:rows] if reply.has_probs else None
+        return reply, buffers.tokens(reply.buffer)[:rows], probs
+
+    def mark_dead(self, reason: str) -> None:
+        if self.alive:
+            log.warning("draft lost (%s): continuing in ar mode", reason)
+        self.alive = False
+        self.failure = reason
+
+    def close(self) -> None:
+        self.alive = False

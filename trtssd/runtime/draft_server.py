@@ -1,0 +1,78 @@
+"""The draft rank's side of the protocol, free of any transport: one call per message.
+
+The MPI loop of `trtssd.runtime.draft_rank` and the in-process `LocalDraft` both drive a
+`DraftServer`, so the draft behaves the same behind either.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from trtssd.backends.loading import load_executor
+from trtssd.config import Mode, ModelRef, RuntimeConfig, SpeculativeConfig, batch_tokens
+from trtssd.runtime import protocol as P
+from trtssd.runtime.draft_worker import DraftWorker
+from trtssd.runtime.transport import SharedBuffers
+
+log = logging.getLogger(__name__)
+
+
+def load_worker(draft_model: ModelRef, spec: SpeculativeConfig, runtime: RuntimeConfig, max_seq_len: int) -> DraftWorker:
+    """The draft model and its worker, calibrated for the auto fan-out."""
+    executor = load_executor(draft_model, max_seqs=runtime.max_batch, max_seq_len=max_seq_len,
+                             max_batch_tokens=batch_tokens(spec, runtime))
+    worker = DraftWorker(executor, spec)
+    if spec.mode is Mode.SSD and spec.fixed_fanout is None:
+        try:
+            worker.calibrate()  # the auto fan-out needs to know what wider trees cost here
+        except Exception:  # noqa: BLE001 - an optimisation: serve with the uncalibrated prior
+            log.exception("draft forward calibration failed; the auto fan-out starts from a linear prior")
+    return worker
+
+
+class DraftServer:
+    def __init__(self, worker: DraftWorker, buffers: SharedBuffers):
+        self.worker = worker
+        self.buffers = buffers
+        self._prespec_s = 0.0  # pre-speculation time since the last reply, reported with the next
+        self._branches = 0
+
+    def handle(self, msg: object) -> P.SpeculateReply | None:
+        """Apply one control message; a SpeculateRequest gets a reply (its rows in the buffer)."""
+        if isinstance(msg, P.Prefill):
+            self.worker.prefill(msg)
+        elif isinstance(msg, P.Release):
+            self.worker.release(msg.seq_ids)
+        elif isinstance(msg, P.SpeculateRequest):
+            return self._speculate(msg)
+        else:
+            raise TypeError(f"unexpected message {type(msg).__name__}")
+        return None
+
+    def _speculate(self, req: P.SpeculateRequest) -> P.SpeculateReply:
+        t0 = time.perf_counter()
+        ans = self.worker.answer(req)
+        rows = len(req.outcomes)
+        self.buffers.tokens(req.buffer)[:rows].copy_(ans.tokens)
+        if ans.probs is not None:
+            self.buffers.probs(req.buffer)[:rows].copy_(ans.probs)
+        reply = P.SpeculateReply(
+            round_id=req.round_id,
+            buffer=req.buffer,
+            sources=tuple(ans.sources),
+            point_mass=tuple(ans.point_mass),
+            has_probs=ans.probs is not None,
+            answer_time_s=time.perf_counter() - t0,
+            prespec_time_s=self._prespec_s,
+            tree_branches=self._branches,
+        )
+        self._prespec_s, self._branches = 0.0, 0
+        return reply
+
+    def after_reply(self) -> None:
+        """SSD: pre-speculate for the next round while the target verifies this one."""
+        if self.worker.spec.mode is Mode.SSD:
+            t0 = time.perf_counter()
+            self._branches = self.worker.prespeculate()
+            self._prespec_s = time.perf_counter() - t0

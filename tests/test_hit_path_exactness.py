@@ -109,7 +109,7 @@ def _run(pair, mutate: bool):
     target, draft = pair
     torch.manual_seed(0)  # unseeded requests: the draft keeps Saguaro's skew (seeded rows do not)
     with LLM(target=ModelRef(str(target)), draft=ModelRef(str(draft)), mode="ssd", k=1, launch="local",
-             fanout_budget=4, saguaro_c=0.3, max_batch=16, max_seq_len=32) as llm:
+             fanout_budget=4, saguaro_c=0.3, plain_under_load=False, max_batch=16, max_seq_len=32) as llm:
         if mutate:
             _ship_plain_q_from_the_tree(llm.loop.draft.server.worker)
         prompts = [PROMPT] * (N + N // 7)

@@ -15,6 +15,7 @@ from trtssd import LLM, ModelRef, SamplingParams
 from trtssd.backends.base import chain_chunk
 from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.config import Source
+from trtssd.runtime.round_choice import RoundChooser
 from trtssd.runtime.transport import PeerLost
 from trtssd.sampling import processed_probs
 from trtssd.spec_decode.saguaro import saguaro_probs
@@ -33,6 +34,7 @@ def tiny(tmp_path_factory) -> tuple[Path, Path]:
 def _llm(tiny, mode: str, draft: Path | None = None, **kw) -> LLM:
     target, default_draft = tiny
     kw.setdefault("max_seq_len", 256)
+    kw.setdefault("plain_under_load", False)  # every round speculates, unless a test is about load control
     return LLM(target=ModelRef(str(target)), draft=ModelRef(str(draft or default_draft)), mode=mode,
                launch="local", **kw)
 
@@ -253,3 +255,72 @@ def test_consecutive_seeds_are_independent(tiny):
     expected = float((p1 * p2).sum())
     sigma = (expected * (1 - expected) / n) ** 0.5
     assert abs(same - expected) < 4.5 * sigma + 0.005, (same, expected)
+
+
+# --- load control ----------------------------------------------------------------------------
+
+
+def test_round_chooser_runs_the_faster_mode_and_probes_the_other_less_and_less():
+    chooser = RoundChooser(min_probe_every=4, max_probe_every=64)
+    rates = {True: 30.0, False: 10.0}  # tokens/s of speculative and plain rounds at batch 2
+    picks = []
+    for _ in range(400):
+        spec = chooser.speculate(2)
+        picks.append(spec)
+        chooser.observe(spec, 2, int(rates[spec]), 1.0)
+    assert picks[:2] == [True, False]  # each mode measured once, speculation first
+    probes = [i for i, p in enumerate(picks[2:]) if not p]
+    assert 3 <= len(probes) <= 10  # 4, 8, 16, 32, 64, 64, ... rounds apart
+    assert all(b - a >= 4 for a, b in zip(probes, probes[1:]))
+    rates = {True: 10.0, False: 30.0}  # the load changed: plain rounds are now faster
+    picks = []
+    for _ in range(200):
+        spec = chooser.speculate(2)
+        picks.append(spec)
+        chooser.observe(spec, 2, int(rates[spec]), 1.0)
+    assert sum(picks[-100:]) <= 10  # switched within one probe and stayed (probes aside)
+    assert chooser.choice(2) is False and chooser.choice(7) is None
+
+
+class _Alternate:
+    """A chooser that alternates speculative and plain rounds (or always plain)."""
+
+    def __init__(self, pattern=(True, False, False)):
+        self.pattern, self.i = pattern, 0
+
+    def speculate(self, batch):
+        self.i += 1
+        return self.pattern[self.i % len(self.pattern)]
+
+    def observe(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_plain_rounds_chosen_under_load_keep_the_draft_in_step(tiny, mode):
+    """Plain rounds between speculative ones: the output is still greedy ar's, and the draft
+    (here the target itself) learns every plain token through the next outcome, so every
+    speculative round still accepts all K."""
+    target, _ = tiny
+    params = SamplingParams(temperature=0, max_tokens=40)
+    ref = _ar(tiny, PROMPTS[:3], params)
+    with _llm(tiny, mode, draft=target, k=3, plain_under_load=True, max_batch=3) as llm:
+        llm.loop.chooser = _Alternate()
+        outs = llm.generate(PROMPTS[:3], params)
+        s = llm.metrics.summary()
+    assert [o.token_ids for o in outs] == ref
+    assert s["plain_rounds"] > 0 and s["degraded_rounds"] == 0
+    full = [o.metrics for o in outs]
+    # Rounds cut by max_tokens aside, every verified round accepted all 3 proposals.
+    assert all(m["num_accepted_tokens"] >= 3 * (m["num_drafts"] - 1) for m in full), full
+
+
+def test_a_seeded_sampled_request_keeps_the_batch_speculating(tiny):
+    with _llm(tiny, "ssd", plain_under_load=True, max_batch=2) as llm:
+        llm.loop.chooser = _Alternate(pattern=(False,))
+        seeded, greedy = llm.generate(PROMPTS[:2], [SamplingParams(temperature=0.8, seed=1, max_tokens=20),
+                                                    SamplingParams(temperature=0, max_tokens=40)])
+        assert seeded.metrics["plain_rounds"] == 0
+        assert greedy.metrics["plain_rounds"] > 0  # once the seeded request has finished
+        unseeded = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.8, max_tokens=20))[0]
+        assert unseeded.metrics["plain_rounds"] > 0

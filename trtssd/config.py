@@ -54,6 +54,10 @@ class SpeculativeConfig:
     saguaro_c: float = 0.7  # cache-aware scaling of the draft's top-(F+1); 1.0 = plain sampling
     backup: Backup = Backup.AUTO  # miss policy
     draft_timeout_s: float = 30.0  # no draft reply within this: the draft is declared dead
+    # Decode rounds without the draft when plain rounds measure faster at the current batch size
+    # (speculation costs at high concurrency); never while a seeded sampled request runs, whose
+    # seed promises the same output at any load.
+    plain_under_load: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _choice(Mode, self.mode, "mode"))
@@ -74,6 +78,8 @@ class SpeculativeConfig:
             raise ValueError(f"saguaro_c must be in (0, 1]; got {self.saguaro_c!r}")
         if not self.draft_timeout_s > 0:
             raise ValueError(f"draft_timeout_s must be > 0; got {self.draft_timeout_s!r}")
+        if not isinstance(self.plain_under_load, bool):
+            raise ValueError(f"plain_under_load must be True or False; got {self.plain_under_load!r}")
 
     @property
     def fixed_fanout(self) -> tuple[int, ...] | None:

@@ -130,6 +130,8 @@ class DraftWorker:
         self.release(req.released)
         seqs = [self._advance(o) for o in req.outcomes]
         pres = [self.cache.pop(s.seq_id, None) for s in seqs]
+        # After plain rounds the pre-speculation answers a state the sequence has moved past.
+        pres = [None if o.plain else pre for pre, o in zip(pres, req.outcomes)]
         cached = [pre.lookup(o.num_accepted, o.bonus) if pre else None for pre, o in zip(pres, req.outcomes)]
         self._observe(seqs, req, pres, cached)
         for seq, pre, found in zip(seqs, pres, cached):
@@ -161,16 +163,16 @@ class DraftWorker:
     def _advance(self, outcome: Outcome) -> DraftSequence:
         """Take in the tokens the target just committed; keep the KV of the ones already written."""
         seq = self.seqs[outcome.seq_id]
-        k = outcome.num_accepted
-        truth = seq.uncached + ([seq.bonus] if seq.bonus is not None else []) + seq.last_spec[:k]
+        emitted = seq.last_spec[:outcome.num_accepted] + [outcome.bonus, *outcome.plain]
+        truth = seq.uncached + ([seq.bonus] if seq.bonus is not None else []) + emitted[:-1]
         reuse = 0
         while reuse < min(len(truth), len(seq.kv_chain)) and truth[reuse] == seq.kv_chain[reuse]:
             reuse += 1
         self.executor.commit(seq.seq_id, reuse)
         seq.uncached = truth[reuse:]
         seq.kv_chain = []
-        seq.history += seq.last_spec[:k] + [outcome.bonus]
-        seq.bonus = outcome.bonus
+        seq.history += emitted
+        seq.bonus = emitted[-1]
         return seq
 
     def _observe(self, seqs: list[DraftSequence], req: SpeculateRequest, pres: list[PreSpeculation | None],

@@ -37,6 +37,7 @@ class SpecMetrics:
     draft_prespec_time_s: float = 0.0  # draft rank: glue + fork + tree + populate (SSD), overlapped
     tree_branches: int = 0  # SSD: tree branches per sequence summed over rounds (auto fan-out's picks)
     degraded_rounds: int = 0  # rounds decoded in ar mode because the draft was lost
+    plain_rounds: int = 0  # rounds decoded without the draft by load control (it measured faster)
 
     def record_round(self, k: int, accepted: int, source: Source) -> None:
         """One verified round: ``accepted`` of its k proposals were accepted and emitted."""

@@ -58,7 +58,9 @@ class Prefill:
 
 @dataclass(frozen=True)
 class Outcome:
-    """The verification outcome of the last round: k drafts accepted, then the bonus token.
+    """What the target emitted since the draft's last speculation for a sequence: k of its
+    drafts accepted, then the bonus token, then ``plain`` tokens from rounds the target decoded
+    without the draft (load control). The last emitted token is the new pending one.
 
     For a sequence's first round k is 0 and the bonus is the first sampled token.
     """
@@ -66,6 +68,7 @@ class Outcome:
     seq_id: int
     num_accepted: int
     bonus: int
+    plain: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ losing or corrupting anything.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -24,6 +25,7 @@ from trtssd.runtime import protocol as P
 from trtssd.runtime.detokenizer import IncrementalDetokenizer
 from trtssd.runtime.draft_client import DraftClient
 from trtssd.runtime.metrics import SpecMetrics
+from trtssd.runtime.round_choice import RoundChooser
 from trtssd.runtime.transport import PeerLost
 from trtssd.sampling import SamplingParams, make_generator, processed_probs, sample
 from trtssd.spec_decode.verify import verify
@@ -85,6 +87,7 @@ class TargetLoop:
         self._round = 0
         self._released: list[int] = []
         self._last_verify_s = 0.0
+        self.chooser = RoundChooser()
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -127,7 +130,7 @@ class TargetLoop:
             self._retire()
             return outputs
         if self.running:
-            if self.speculating:
+            if self.speculating and self._speculate_now():
                 try:
                     self._speculative_round(outputs)
                 except PeerLost:
@@ -174,17 +177,34 @@ class TargetLoop:
         groups.append(current)
         return groups
 
+    def _speculate_now(self) -> bool:
+        """Load control (SpeculativeConfig.plain_under_load): speculate unless plain rounds have
+        measured faster at this batch size. A seeded sampled row keeps the batch speculating:
+        its seed promises the same output at any load."""
+        if not self.spec.plain_under_load or any(s.params.seed is not None and not s.params.is_greedy
+                                                  for s in self.running):
+            return True
+        return self.chooser.speculate(len(self.running))
+
     def _ar_round(self, outputs: list[StepOutput]) -> None:
+        """One plain target step for every running row: chosen by load control while the draft
+        is there (its rows catch up through the next outcome), or because the draft is lost."""
+        t0 = time.perf_counter()
         seqs = self.running
+        chosen = self.speculating
         chunks = [chain_chunk(s.seq_id, [s.bonus], self.target.committed(s.seq_id)) for s in seqs]
         logits = torch.cat(self.target.forward(chunks))
         nxt = sample(processed_probs(logits, [s.params for s in seqs]), [s.generator for s in seqs])
         for seq, tok in zip(seqs, nxt.tolist()):
             self.target.commit(seq.seq_id, 1)
-            if self.spec.mode is not Mode.AR:
+            if chosen:
+                seq.metrics.plain_rounds += 1
+                seq.outcome = dataclasses.replace(seq.outcome, plain=seq.outcome.plain + (tok,))
+            elif self.spec.mode is not Mode.AR:
                 seq.metrics.degraded_rounds += 1
-            seq.on_draft = False
             self._emit(seq, [tok], outputs)
+        if chosen:
+            self.chooser.observe(False, len(seqs), len(seqs), time.perf_counter() - t0)
 
     def _speculative_round(self, outputs: list[StepOutput]) -> None:
         seqs = [s for s in self.running if s.on_draft]
@@ -220,15 +240,18 @@ class TargetLoop:
         accepted = result.num_accepted.tolist()
         bonus = result.bonus.tolist()
         proposals = tokens.tolist()
+        total_emitted = 0
         for i, seq in enumerate(seqs):
             n = accepted[i]
             self.target.commit(seq.seq_id, n + 1)
             seq.outcome = P.Outcome(seq.seq_id, n, bonus[i])
             emitted = self._emit(seq, proposals[i][:n] + [bonus[i]], outputs)
+            total_emitted += emitted
             # Count only what was emitted: a stop inside the round cuts accepted tokens too.
             seq.metrics.record_round(k, min(n, emitted), reply.sources[i])
             seq.metrics.add_times(**times)
             seq.metrics.tree_branches += reply.tree_branches
+        self.chooser.observe(True, len(seqs), total_emitted, time.perf_counter() - t0)
 
     # --- emission and stops ------------------------------------------------------------------
 

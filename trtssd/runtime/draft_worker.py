@@ -233,7 +233,8 @@ class DraftWorker:
     def _draft_chains(self, seqs: list[DraftSequence], outcomes: list[Outcome]) -> Drafts:
         """Just-in-time drafting of K tokens per sequence, batched (K forwards): sd, and the neural
         backup of a missed SSD row."""
-        fanouts = [self._fanout(s) for s in seqs]
+        # sd has no cache, so no fan-out for Saguaro's skew to follow
+        fanouts = [self._fanout(s) if self.spec.mode is Mode.SSD else [0] * (self.k + 1) for s in seqs]
         uniforms = self._uniforms(seqs, [(s.round, o.num_accepted, o.bonus) for s, o in zip(seqs, outcomes)])
         chunks = []
         for s in seqs:

@@ -13,7 +13,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16)
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(mode="ssd", max_batch=4, max_seq_len=256) as instance:
+    with LLM(mode="ssd", max_batch=4, max_seq_len=256, plain_under_load=False) as instance:
         yield instance
 
 

@@ -48,7 +48,7 @@ def _mismatches(reference: list[list[int]], got: list[list[int]]) -> list[int]:
 
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
 def test_greedy_speculative_equals_ar_at_batch_4_and_1(mode, prompts, ar_tokens):
-    with LLM(mode=mode, max_batch=4, max_seq_len=512) as llm:
+    with LLM(mode=mode, max_batch=4, max_seq_len=512, plain_under_load=False) as llm:
         batched = [o.token_ids for o in llm.generate(prompts, PARAMS)]
         single = [llm.generate([p], PARAMS)[0].token_ids for p in prompts]
         summary = llm.metrics.summary()

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,9 @@ def tiny(tmp_path_factory) -> tuple[Path, Path]:
 def _llm(tiny, mode: str, **kw) -> LLM:
     target, draft = tiny
     kw.setdefault("max_seq_len", 256)
+    # On these tiny models a plain target step costs less than an MPI round trip, so load
+    # control would decode most rounds plainly; the tests are about the speculative paths.
+    kw.setdefault("plain_under_load", False)
     return LLM(target=ModelRef(str(target)), draft=ModelRef(str(draft)), mode=mode, **kw)
 
 
@@ -38,7 +42,96 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10] * 12, [3, 1, 4, 1, 5, 9, 2, 6], [42]
 
 
 def _shm_segments() -> set[str]:
-    return set(glob.glob("/dev/shm/trtssd-*"))
+    """Our shared buffers and MPICH's own segments (every MPI process makes a mpich_shm_* in
+    MPI_Init and removes it in MPI_Finalize, which a killed process never reaches)."""
+    return {os.path.basename(p) for p in glob.glob("/dev/shm/trtssd-*") + glob.glob("/dev/shm/mpich_*")}
+
+
+def _mapped_by(pid: int | str) -> set[str]:
+    """The /dev/shm names process ``pid`` maps."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return set()  # the process ended meanwhile
+    return {line.split("/dev/shm/", 1)[1] for line in lines if "/dev/shm/" in line}
+
+
+def _in_use_segments() -> set[str]:
+    """Segments in use, not leaked: those other live processes map (other programs' while they
+    run) and this process's own MPI segment (MPICH removes it in MPI_Finalize, at exit)."""
+    others = [maps.split("/")[2] for maps in glob.glob("/proc/[0-9]*/maps") if maps.split("/")[2] != str(os.getpid())]
+    own_mpi = {n for n in _mapped_by(os.getpid()) if n.startswith("mpich_")}
+    return own_mpi.union(*(_mapped_by(pid) for pid in others))
+
+
+def _draft_segments(draft_pid: int) -> set[str]:
+    """The draft rank's segments: our buffers and its MPICH segment (checked to exist)."""
+    segments = _mapped_by(draft_pid) & _shm_segments()
+    assert any(n.startswith("trtssd-") for n in segments), segments  # the buffers are real shared memory
+    assert any(n.startswith("mpich_shm_") for n in segments), segments  # the draft job's own MPI segment
+    return segments
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_shared_memory():
+    """Every test leaves /dev/shm as it found it: no buffer of ours, no segment of MPICH's."""
+    before = _shm_segments()
+    yield
+    leaked = _shm_segments() - before - _in_use_segments()
+    assert not leaked, f"shared memory left behind: {sorted(leaked)}"
+
+
+def _parents() -> dict[int, int]:
+    parents = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.split("/")[2])] = int(fields[1])
+    return parents
+
+
+def _draft_job(draft_pid: int, target_pid: int | None = None) -> set[int]:
+    """Every process of the draft's MPI job: the rank, its children and its ancestors below the
+    target process (hydra_pmi_proxy, mpiexec); the target is this process unless given."""
+    target_pid = target_pid or os.getpid()
+    parents = _parents()
+    job, pid = set(), draft_pid
+    while pid in parents and pid != target_pid:
+        job.add(pid)
+        pid = parents[pid]
+    assert pid == target_pid, "the draft job is not a child of the target"
+    todo = [draft_pid]
+    while todo:
+        pid = todo.pop()
+        children = [c for c, parent in parents.items() if parent == pid]
+        job.update(children)
+        todo.extend(children)
+    assert len(job) >= 3, job  # at least mpiexec, hydra_pmi_proxy and the rank
+    return job
+
+
+def _running(pids: set[int]) -> set[int]:
+    """Those of ``pids`` still running or stopped (a zombie has ended: it only awaits its reaper)."""
+    alive = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state not in "ZX":
+            alive.add(pid)
+    return alive
+
+
+def _kill(pids: set[int]) -> None:
+    """Test cleanup: a failed check must not leave stopped processes on the machine."""
+    for pid in _running(pids):
+        os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -113,6 +206,7 @@ def test_sampled_distribution_matches_ar(tmp_path_factory, mode, backup):
     p2, p3 = _exact_marginals(target, prompt, params)
     n = 8000
     with LLM(target=ModelRef(str(target)), draft=ModelRef(str(draft)), mode=mode, backup=backup, k=3,
+             plain_under_load=False,
              max_batch=32, max_seq_len=64) as llm:
         outs = llm.generate([prompt] * n, [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=3, seed=s)
                                            for s in range(n)])
@@ -127,36 +221,182 @@ def test_sampled_distribution_matches_ar(tmp_path_factory, mode, backup):
         assert summary[f"{backup}_backups"] > 0, summary
 
 
+def _start_requests(engine, params: SamplingParams) -> list[int]:
+    """Four requests, three steps in: speculating, with most tokens still to come."""
+    ids = [engine.add_request(p, params) for p in PROMPTS[:4]]
+    for _ in range(3):
+        engine.step()
+    return ids
+
+
+def _finish(engine, ids: list[int]) -> list[list[int]]:
+    while engine.has_unfinished():
+        engine.step()
+    return [engine.pop_finished(i).output for i in ids]
+
+
+def _ar_reference(tiny, params: SamplingParams) -> list[list[int]]:
+    with _llm(tiny, "ar") as llm:
+        return [o.token_ids for o in llm.generate(PROMPTS[:4], params)]
+
+
 def test_draft_killed_mid_generation_requests_complete_with_ar_output(tiny):
     params = SamplingParams(temperature=0, max_tokens=40)
-    with _llm(tiny, "ar") as llm:
-        ref = [o.token_ids for o in llm.generate(PROMPTS[:4], params)]
-    before = _shm_segments()
+    ref = _ar_reference(tiny, params)
     with _llm(tiny, "ssd", max_batch=4, draft_timeout_s=10) as llm:
         engine = llm.loop
-        ids = [engine.add_request(p, params) for p in PROMPTS[:4]]
-        for _ in range(3):
-            engine.step()
-        assert llm.draft_alive
-        os.kill(engine.draft.pid, signal.SIGKILL)
-        while engine.has_unfinished():
-            engine.step()
-        got = [engine.pop_finished(i).output for i in ids]
-        assert not llm.draft_alive
-        assert llm.metrics.degraded_rounds > 0
+        job = _draft_job(engine.draft.pid)
+        try:
+            ids = _start_requests(engine, params)
+            assert llm.draft_alive
+            segments = _draft_segments(engine.draft.pid)
+            os.kill(engine.draft.pid, signal.SIGKILL)
+            got = _finish(engine, ids)
+            assert not llm.draft_alive
+            assert llm.metrics.degraded_rounds > 0
+            llm.close()
+            assert not _running(job)  # mpiexec and hydra_pmi_proxy too
+            assert not segments & _shm_segments()  # MPICH's segment too
+        finally:
+            _kill(job)
     assert got == ref
-    assert _shm_segments() == before  # nothing leaked
+
+
+@pytest.mark.parametrize("stopped", ["rank", "job"])
+def test_hung_draft_is_dropped_after_its_timeout(tiny, stopped):
+    """SIGSTOP the draft rank alone, or its whole job (mpiexec, hydra_pmi_proxy, the rank and its
+    children): the target gives up after draft_timeout_s, finishes in ar mode, and ends the whole
+    job. Killing mpiexec alone is not enough: hydra starts the proxy and the rank in sessions of
+    their own, and a stopped proxy never passes the kill on."""
+    params = SamplingParams(temperature=0, max_tokens=40)
+    ref = _ar_reference(tiny, params)
+    with _llm(tiny, "ssd", max_batch=4, draft_timeout_s=30) as llm:
+        engine = llm.loop
+        job = _draft_job(engine.draft.pid)
+        try:
+            ids = _start_requests(engine, params)
+            assert llm.draft_alive
+            segments = _draft_segments(engine.draft.pid)
+            # Short only now: on a busy 2-core machine a live draft's first answers can take seconds.
+            timeout_s = engine.draft.timeout_s = 2.0
+            for pid in sorted(job) if stopped == "job" else [engine.draft.pid]:
+                os.kill(pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            got = _finish(engine, ids)
+            assert time.monotonic() - t0 >= timeout_s  # it waited for the draft, then gave up
+            assert not llm.draft_alive and "within" in engine.draft.failure, engine.draft.failure
+            assert llm.metrics.degraded_rounds > 0
+            t0 = time.monotonic()
+            llm.close()
+            assert time.monotonic() - t0 < 2.0
+            assert not _running(job)
+            assert not segments & _shm_segments()  # MPICH's segment too
+        finally:
+            _kill(job)
+    assert got == ref
+
+
+def test_draft_error_mid_generation_requests_complete_with_ar_output(tiny):
+    """An exception inside the draft rank (here: a message its loop does not know, which raises
+    TypeError there) comes back as DraftError: the target degrades at once, without waiting for
+    the timeout, and ends the draft's job."""
+    params = SamplingParams(temperature=0, max_tokens=40)
+    ref = _ar_reference(tiny, params)
+    with _llm(tiny, "ssd", max_batch=4, draft_timeout_s=30) as llm:
+        engine = llm.loop
+        job = _draft_job(engine.draft.pid)
+        try:
+            ids = _start_requests(engine, params)
+            segments = _draft_segments(engine.draft.pid)
+            assert engine.draft.send("not a protocol message")
+            t0 = time.monotonic()
+            got = _finish(engine, ids)
+            assert time.monotonic() - t0 < 30  # reported, not timed out
+            assert not llm.draft_alive
+            assert "draft rank error: TypeError" in engine.draft.failure, engine.draft.failure
+            assert llm.metrics.degraded_rounds > 0
+            llm.close()
+            assert not _running(job)
+            assert not segments & _shm_segments()  # MPICH's segment too
+        finally:
+            _kill(job)
+    assert got == ref
+
+
+def test_draft_that_fails_to_load_is_reported_at_once(tiny, tmp_path):
+    """The draft rank's own error comes back as the reason LLM() fails, without waiting for the
+    draft to time out; the buffers made for it are freed (checked by no_leaked_shared_memory)."""
+    target, _ = tiny
+    with pytest.raises(RuntimeError, match="draft rank did not start.*FileNotFoundError"):
+        LLM(target=ModelRef(str(target)), draft=ModelRef(str(tmp_path)), mode="ssd", max_seq_len=256)
+
+
+def test_draft_that_dies_before_connecting_is_reported_and_mpi_ends_cleanly(tiny, tmp_path):
+    """A draft rank that exits before it connects (here its import fails) makes LLM() fail with
+    that reason; the target's pending MPI accept is released, so the target's MPI still
+    finalizes cleanly at exit (a thread left inside MPI_Comm_accept made it abort there)."""
+    target, draft = tiny
+    broken = tmp_path / "cwd" / "trtssd"  # ``python -m`` imports from the working directory first
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('a broken install')\n")
+    script = tmp_path / "target.py"
+    script.write_text(
+        "from trtssd import LLM, ModelRef\n"
+        "try:\n"
+        f"    LLM(target=ModelRef({str(target)!r}), draft=ModelRef({str(draft)!r}), mode='ssd', max_seq_len=128)\n"
+        "except RuntimeError as err:\n"
+        "    print(err)\n"
+    )
+    bindir = Path(sys.executable).parent
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ.get('PATH', '')}", PYTHONPATH=str(Path(__file__).parents[1]))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env,
+                          cwd=broken.parent)
+    assert "before connecting" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # The target's own MPICH segment is gone with it: checked by no_leaked_shared_memory.
+
+
+def test_killed_target_takes_its_draft_job_along(tiny, tmp_path):
+    """A target killed before it could shut its draft down (SIGKILL: no close(), no atexit) must
+    not leave the draft job waiting forever, nor its own or the draft's MPICH segment behind."""
+    target, draft = tiny
+    script = tmp_path / "target.py"
+    script.write_text(
+        "import signal\n"
+        "from trtssd import LLM, ModelRef, SamplingParams\n"
+        f"llm = LLM(target=ModelRef({str(target)!r}), draft=ModelRef({str(draft)!r}), mode='ssd', max_seq_len=128)\n"
+        "llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8))\n"
+        "print(llm.loop.draft.pid, flush=True)\n"
+        "signal.pause()  # until the test kills it\n"
+    )
+    bindir = Path(sys.executable).parent
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ.get('PATH', '')}", PYTHONPATH=str(Path(__file__).parents[1]))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    job: set[int] = set()
+    try:
+        draft_pid = int(proc.stdout.readline())
+        job = _draft_job(draft_pid, proc.pid)
+        segments = _draft_segments(draft_pid) | {n for n in _mapped_by(proc.pid) if n.startswith("mpich_")}
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while _running(job) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(job)
+        assert not segments & _shm_segments()
+    finally:
+        proc.kill()
+        proc.stdout.close()
+        _kill(job)
 
 
 def test_clean_shutdown_leaves_no_process_or_shared_memory(tiny):
-    before = _shm_segments()
     with _llm(tiny, "ssd") as llm:
-        pid = llm.loop.draft.pid
-        assert _shm_segments() - before  # the buffers are real shared memory
+        job = _draft_job(llm.loop.draft.pid)
+        segments = _draft_segments(llm.loop.draft.pid)
         llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8))
-    assert _shm_segments() == before
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
+    assert not _running(job)
+    assert not segments & _shm_segments()
 
 
 def test_stops_are_honoured_exactly(tiny):
@@ -185,7 +425,7 @@ def test_world_launch_under_mpiexec(tiny, tmp_path):
         "if w.Get_rank() == w.Get_size() - 1:\n"
         "    from trtssd.runtime.draft_rank import serve\n"
         "    serve(w); sys.exit(0)\n"
-        f"with LLM(target=ModelRef({str(target)!r}), draft=ModelRef({str(draft)!r}), mode='ssd', launch='world', max_seq_len=128) as llm:\n"
+        f"with LLM(target=ModelRef({str(target)!r}), draft=ModelRef({str(draft)!r}), mode='ssd', launch='world', max_seq_len=128, plain_under_load=False) as llm:\n"
         "    out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0, max_tokens=24))\n"
         "    print(json.dumps({'ids': out[0].token_ids, 'hits': llm.metrics.cache_hits}))\n"
     )

@@ -10,14 +10,17 @@ Two ways to get a draft rank:
   has no fault tolerance); timeouts still degrade to AR.
 
 Any failure (timeout, exit, DraftError) marks the link dead; the engine then decodes in AR mode
-from its own state, so nothing is lost.
+from its own state, so nothing is lost. A dead draft's job is ended whole (`DraftJob`): its
+processes are killed and the shared memory MPICH would have removed at MPI_Finalize is removed.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import select
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -43,16 +46,178 @@ def _mpiexec() -> str:
     return found
 
 
+# How long close() lets a draft that got Shutdown exit by itself (MPI_Finalize, interpreter exit)
+# before it is killed; a clean exit takes well under a second.
+EXIT_GRACE_S = 30.0
+# How long ending a job waits for its killed processes to disappear (SIGKILL acts at once, even
+# on a stopped process; this only bounds a process stuck in the kernel).
+KILL_WAIT_S = 10.0
+
+
+class DraftJob:
+    """The draft's MPI job as operating-system processes, and the shared memory MPICH made for it.
+
+    ``mpiexec`` starts ``hydra_pmi_proxy``, which starts the python rank; hydra puts each in a new
+    session, so neither a process-group kill nor killing mpiexec reaches a rank that is stopped
+    or hung: the job's processes are found below mpiexec in /proc and killed one by one.
+
+    Every MPICH process creates a 1 MiB segment /dev/shm/mpich_shm_<job hash>_<node> in MPI_Init
+    and removes it in MPI_Finalize; a rank that is killed never gets there. The segments the
+    job's processes map are recorded while they run (their name hashes the job's PMI key-value
+    space name, which includes a random number, so it cannot be derived from outside), and
+    whichever still exist once the job is over are removed: only those, never another program's.
+    """
+
+    def __init__(self, process: subprocess.Popen):
+        self.process = process  # mpiexec
+        self._processes: dict[int, int] = {}  # pid -> start time (a pid reused later is not ours)
+        self._segments: set[str] = set()  # MPICH's /dev/shm names mapped by the job
+        self._own_segments = _mapped_mpich_segments(os.getpid())  # this process's MPI: never ours to remove
+
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def record(self) -> None:
+        """Note the job's processes and the MPICH segments they map (call while it runs)."""
+        if not self.running():
+            return
+        for pid in _process_tree(self.process.pid):
+            start = _start_time(pid)
+            if start is not None:
+                self._processes.setdefault(pid, start)
+        for pid in self._live_processes():
+            self._segments |= _mapped_mpich_segments(pid) - self._own_segments
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait for mpiexec to exit by itself; True when it did, with status 0."""
+        try:
+            return self.process.wait(timeout=timeout_s) == 0
+        except subprocess.TimeoutExpired:
+            return False
+
+    def end(self) -> None:
+        """Kill whatever is left of the job, then remove the MPICH segments it left (idempotent)."""
+        self.record()  # processes started since the last look (e.g. the rank's resource tracker)
+        for pid in self._live_processes():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.process.poll() is None:
+            self.process.kill()  # without /proc nothing was recorded: mpiexec at least
+        self.process.wait()  # mpiexec is our child: reap it
+        deadline = time.monotonic() + KILL_WAIT_S
+        while self._live_processes() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if survivors := self._live_processes():
+            log.warning("draft job processes %s did not end after SIGKILL", survivors)
+        removed = []
+        for name in sorted(self._segments):
+            try:
+                os.unlink(f"/dev/shm/{name}")
+                removed.append(name)
+            except FileNotFoundError:
+                pass  # MPI_Finalize removed it: the rank exited cleanly
+        self._segments.clear()
+        if removed:
+            log.info("removed MPICH shared memory left by the draft job: %s", ", ".join(removed))
+
+    def _live_processes(self) -> list[int]:
+        return [pid for pid, start in self._processes.items() if _start_time(pid) == start]
+
+
+def end_with_target(target_pid: int) -> None:
+    """Called in the draft rank: exit as soon as the target process is gone.
+
+    A target that ends without shutting the draft down (killed, or exiting without close())
+    would otherwise leave the draft job waiting for messages forever. MPI_Finalize cannot run
+    then (the rank is connected to a dead process), so the rank removes the MPICH segments it
+    maps, as MPI_Finalize would have, and those the target mapped: a killed target never
+    reached its own MPI_Finalize (after a normal exit they are gone already). The target's
+    resource tracker removes our buffers.
+    """
+    try:
+        target = os.pidfd_open(target_pid)  # the target is alive: it started us
+    except (AttributeError, OSError) as err:  # not Linux >= 5.3
+        log.info("cannot watch the target process (%s): the draft outlives a killed target", err)
+        return
+    target_segments = _mapped_mpich_segments(target_pid)
+
+    def watch() -> None:
+        select.select([target], [], [])  # readable once the target has exited
+        log.warning("target process %d exited without shutting the draft down: exiting", target_pid)
+        for name in _mapped_mpich_segments(os.getpid()) | target_segments:
+            try:
+                os.unlink(f"/dev/shm/{name}")
+            except FileNotFoundError:
+                pass
+        os._exit(1)
+
+    threading.Thread(target=watch, name="watch-target", daemon=True).start()
+
+
+def _start_time(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks since boot), None if it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the command name may hold spaces
+    except OSError:
+        return None
+    state, start = fields[0], int(fields[19])
+    return None if state in "ZX" else start
+
+
+def _process_tree(root: int) -> list[int]:
+    """``root`` and every process below it."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # no /proc (not Linux)
+        return [root]
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def _mapped_mpich_segments(pid: int) -> set[str]:
+    """Names of MPICH's shared-memory segments (/dev/shm/mpich_*) that process ``pid`` maps."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return set()
+    names = set()
+    for line in lines:
+        path = line.split(maxsplit=5)[-1]
+        if path.startswith("/dev/shm/mpich_") and not path.endswith("(deleted)"):
+            names.add(path[len("/dev/shm/"):])
+    return names
+
+
 class DraftLink:
-    def __init__(self, comm: MPI.Intracomm, peer: int, process: subprocess.Popen | None, timeout_s: float):
+    def __init__(self, comm: MPI.Intracomm, peer: int, job: DraftJob | None, timeout_s: float):
         self.comm = comm
         self.channel = Channel(comm, peer)
-        self.process = process
+        self.job = job  # None when the draft is a rank of our own MPI job (launch="world")
         self.timeout_s = timeout_s
         self.buffers: SharedBuffers | None = None
         self.alive = True
         self.failure: str | None = None
         self.pid: int | None = None
+        self._inter: MPI.Intercomm | None = None
+        self._closed = False
 
     # --- start -------------------------------------------------------------------------------
 
@@ -64,15 +229,26 @@ class DraftLink:
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         level = logging.getLevelName(logging.getLogger("trtssd").getEffectiveLevel())
         cmd = [_mpiexec(), "-n", "1", sys.executable, "-m", "trtssd.runtime.draft_rank",
-               "--port", port, "--log-level", str(level)]
-        process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
-        inter = _accept(port, process, start_timeout_s)
-        MPI.Close_port(port)
-        comm = inter.Merge(high=False)
-        link = cls(comm, 1, process, spec.draft_timeout_s)
-        link._inter = inter
-        buffers = SharedBuffers.create_posix(runtime.max_batch, spec.k, vocab_size)
-        link._handshake(spec, runtime, buffers.layout, draft_model, max_seq_len, start_timeout_s, buffers)
+               "--port", port, "--log-level", str(level), "--target-pid", str(os.getpid())]
+        job = DraftJob(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
+        link = None
+        try:
+            inter = _accept(port, job, start_timeout_s)  # closes the port when it fails
+            MPI.Close_port(port)
+            job.record()  # the rank is past MPI_Init: its MPICH segment exists
+            link = cls(inter.Merge(high=False), 1, job, spec.draft_timeout_s)
+            link._inter = inter
+            link.buffers = buffers = SharedBuffers.create_posix(runtime.max_batch, spec.k, vocab_size)
+            link._handshake(spec, runtime, buffers.layout, draft_model, max_seq_len, start_timeout_s, buffers)
+            job.record()  # and whatever the rank started while loading
+        except BaseException:
+            # Whatever state the draft is in, end its job and free what we made for it.
+            if link is None:
+                job.end()
+            else:
+                link.alive = False
+                link.close()
+            raise
         return link
 
     @classmethod
@@ -80,18 +256,24 @@ class DraftLink:
                    vocab_size: int, max_seq_len: int, start_timeout_s: float = 300.0) -> "DraftLink":
         link = cls(comm, comm.Get_size() - 1, None, spec.draft_timeout_s)
         layout = P.BufferLayout(runtime.max_batch, spec.k, vocab_size, None)
-        link._handshake(spec, runtime, layout, draft_model, max_seq_len, start_timeout_s, None)
+        try:
+            link._handshake(spec, runtime, layout, draft_model, max_seq_len, start_timeout_s, None)
+        except ValueError:
+            link.close()  # the draft rank is up: shut it down, then report
+            raise
         return link
 
     def _handshake(self, spec, runtime, layout, draft_model, max_seq_len, timeout_s, buffers) -> None:
         self.channel.poll_interval_s = runtime.poll_interval_s
         self.channel.send(P.Hello(spec, runtime, layout, draft_model, max_seq_len), P.CONTROL_TAG)
         self.buffers = buffers if buffers is not None else SharedBuffers.create_window(self.comm, layout)
-        ready = self._recv(timeout_s)
+        try:
+            ready = self._recv(timeout_s)
+        except PeerLost as err:
+            raise RuntimeError(f"draft rank did not start: {err}") from err
         if not isinstance(ready, P.Ready):
             raise RuntimeError(f"draft rank did not start: {ready}")
         if ready.vocab_size != layout.vocab_size:
-            self.close()
             raise ValueError(f"draft vocab_size {ready.vocab_size} != target vocab_size {layout.vocab_size}")
         self.pid = ready.pid
         log.info("draft rank ready, pid %d (model loaded in %.1f s)", ready.pid, ready.load_time_s)
@@ -99,7 +281,7 @@ class DraftLink:
     # --- messages ----------------------------------------------------------------------------
 
     def _process_alive(self) -> bool:
-        return self.process is None or self.process.poll() is None
+        return self.job is None or self.job.running()
 
     def _recv(self, timeout_s: float | None = None) -> object:
         msg = self.channel.recv(P.REPLY_TAG, timeout_s or self.timeout_s, self._process_alive)
@@ -135,35 +317,38 @@ class DraftLink:
             log.warning("draft rank lost (%s): continuing in ar mode", reason)
         self.alive = False
         self.failure = reason
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()  # a draft that stopped answering must not come back mid-stream
+        if self.job is not None:
+            # A draft that stopped answering must not come back mid-stream; one that is stopped
+            # or hung would hold its processes and shared memory forever.
+            self.job.end()
 
     # --- stop --------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Shut the draft down and free what we created (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
         if self.alive:
             try:
                 self.channel.send(P.Shutdown(), P.CONTROL_TAG)
             except Exception:  # noqa: BLE001 - shutting down anyway
                 pass
-        if self.buffers is not None:
-            if self.process is not None or self.alive:
-                self.buffers.close()
-            self.buffers = None
-        if self.process is not None:
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-            if self.alive:
+        if self.job is not None:
+            # The MPI connection is only taken down with a draft that exited cleanly: with a
+            # dead peer, Disconnect could wait forever.
+            if self.alive and self.job.wait(EXIT_GRACE_S):
                 self.comm.Free()
                 self._inter.Disconnect()
+            self.job.end()  # nothing left to kill after a clean exit; otherwise kill and clean up
+        if self.buffers is not None:
+            if self.job is not None or self.alive:
+                self.buffers.close()
+            self.buffers = None
         self.alive = False
 
 
-def _accept(port: str, process: subprocess.Popen, timeout_s: float) -> MPI.Intercomm:
+def _accept(port: str, job: DraftJob, timeout_s: float) -> MPI.Intercomm:
     """Accept the draft's connection; fail clearly if it exits or takes too long."""
     result: dict = {}
 
@@ -176,13 +361,31 @@ def _accept(port: str, process: subprocess.Popen, timeout_s: float) -> MPI.Inter
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s
-    while thread.is_alive():
+    failure = None
+    while thread.is_alive() and failure is None:
         thread.join(0.05)
-        if process.poll() is not None and thread.is_alive():
-            raise RuntimeError(f"draft rank exited with code {process.returncode} before connecting")
-        if time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"draft rank did not connect within {timeout_s:.0f} s")
-    if "error" in result:
-        raise RuntimeError(f"draft rank connection failed: {result['error']}")
-    return result["comm"]
+        if not job.running() and thread.is_alive():
+            failure = f"draft rank exited with code {job.process.returncode} before connecting"
+        elif time.monotonic() > deadline:
+            failure = f"draft rank did not connect within {timeout_s:.0f} s"
+    if failure is None and "error" not in result:
+        return result["comm"]
+    job.end()  # nothing of that job may connect from here on
+    if thread.is_alive():
+        _release_accept(port, thread)
+    MPI.Close_port(port)
+    raise RuntimeError(failure or f"draft rank connection failed: {result['error']}")
+
+
+def _release_accept(port: str, thread: threading.Thread) -> None:
+    """End an MPI_Comm_accept that no draft will answer by connecting to it from a throwaway
+    process: MPI has no way to cancel it, and a thread left inside it makes this process's
+    MPI_Finalize abort at exit (leaving its own MPICH segment behind)."""
+    code = "import sys; from mpi4py import MPI; MPI.COMM_SELF.Connect(sys.argv[1]).Disconnect()"
+    try:
+        subprocess.run([_mpiexec(), "-n", "1", sys.executable, "-c", code, port], stdin=subprocess.DEVNULL,
+                       timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError) as err:
+        log.warning("could not release the pending MPI accept (%s): MPI_Finalize may fail at exit", err)
+        return
+    thread.join()

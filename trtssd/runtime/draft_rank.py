@@ -61,8 +61,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="trtssd draft rank (started by the target)")
     parser.add_argument("--port", required=True, help="MPI port name opened by the target")
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--target-pid", type=int, help="the target process: exit when it is gone")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s draft %(levelname)s %(message)s")
+    if args.target_pid is not None:
+        from trtssd.runtime.draft_link import end_with_target
+
+        end_with_target(args.target_pid)  # a target killed before it could shut us down
     inter = MPI.COMM_SELF.Connect(args.port)
     comm = inter.Merge(high=True)
     serve(comm, target_rank=0)

@@ -8,6 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from trtssd.bench import serve
 from trtssd.bench.config import ALL_SYSTEMS, BenchConfig
 from trtssd.bench.prompts import BUILTIN_SETS, load_prompt_set
 from trtssd.bench.report import render_markdown, write_report
@@ -43,7 +44,8 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="trtssd bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="trtssd bench", description=__doc__.split("\n\n")[0],
+                                epilog="trtssd bench serve --help: load-test a running OpenAI-compatible server")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="4 prompts per set x 64 tokens, batch 1, greedy (default)")
     size.add_argument("--full", action="store_true", help="16 prompts x 128 tokens, batch 1,2,4,8, temperature 0,0.8")
@@ -91,6 +93,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":  # `trtssd bench serve`: load-tests a running server, its own parser
+        return serve.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")

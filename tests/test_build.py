@@ -13,9 +13,11 @@ import torch
 
 from trtssd.backends.base import chain_chunk
 from trtssd.backends.loading import load_engine, load_side
+from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.build import TokenizerMismatchError, build_engine, gguf_tokenizer_fields, resolve_recipe
 from trtssd.hashing import file_sha256
-from trtssd.models.engine_dir import DRAFT_FILE, MANIFEST, TARGET_FILE, load_manifest
+from trtssd.models.engine_dir import DRAFT_FILE, DRAFT_GGUF, MANIFEST, TARGET_FILE, load_manifest
+from tiny_models import make_tiny_llama
 
 Q4_1, Q8_0, F32 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F32
 MERGES = ["Ġ t", "Ġ a", "i n", "h e"]
@@ -198,3 +200,62 @@ def test_concurrent_builds_build_once(tmp_path, caplog):
         paths = list(pool.map(lambda _: build_engine(source, tmp_path / "engines", progress=False), range(2)))
     assert paths[0] == paths[1] and (paths[0] / MANIFEST).is_file()
     assert caplog.text.count("building engine") == 1  # the other call waited, then found it built
+
+
+# -- a separate draft model ---------------------------------------------------------------------
+
+
+def _first_logits(executor, prompt: list[int]) -> torch.Tensor:
+    executor.add_sequence(0)
+    try:
+        return executor.forward([chain_chunk(0, prompt, 0)])[0]
+    finally:
+        executor.release(0)
+
+
+def test_separate_gguf_draft_runs_its_own_weights(tmp_path):
+    target = make_tiny_gguf(tmp_path / "t.gguf", seed=0)
+    other = make_tiny_gguf(tmp_path / "d.gguf", seed=1, layers=1)
+    engine = build_engine(target, tmp_path / "engines", draft=other, name="pair", plain_weights=False, progress=False)
+    manifest = load_manifest(engine)
+    draft = manifest["draft"]
+    assert (draft["backend"], draft["path"], draft["dtype"], draft["plain_weights"]) == ("torch", DRAFT_GGUF, "float32", False)
+    assert draft["config"]["num_layers"] == 1 and manifest["target"]["plain_weights"] is False
+    assert set(manifest["build"]["outputs"]) == {TARGET_FILE, DRAFT_GGUF}
+    prompt = list(range(3, 12))
+    ours = _first_logits(load_side(engine, "draft", max_seqs=1, max_seq_len=64), prompt)
+    direct = _first_logits(TorchExecutor.from_pretrained(other, max_seqs=1, max_seq_len=64), prompt)
+    assert torch.allclose(ours, direct, atol=1e-5, rtol=0)
+
+
+def test_hugging_face_pair(tmp_path):
+    target = make_tiny_llama(tmp_path / "t", seed=0)
+    other = make_tiny_llama(tmp_path / "d", seed=1, layers=1)
+    engine = build_engine(target, tmp_path / "engines", draft=other, progress=False)
+    manifest = load_manifest(engine)
+    assert engine.name == "t" and manifest["tokenizer"] is None  # tiny models have no tokenizer
+    assert (manifest["target"]["path"], manifest["target"]["format"]) == ("target", "huggingface")
+    assert (manifest["draft"]["path"], manifest["draft"]["backend"]) == ("draft", "torch")
+    prompt = list(range(3, 12))
+    for side, source in (("target", target), ("draft", other)):
+        ours = _first_logits(load_side(engine, side, max_seqs=1, max_seq_len=64), prompt)
+        direct = _first_logits(TorchExecutor.from_pretrained(source, max_seqs=1, max_seq_len=64), prompt)
+        assert torch.equal(ours, direct), side
+    with pytest.raises(ValueError, match="int4 draft is made from a GGUF"):
+        resolve_recipe(target)  # the self-draft default needs GGUF weights
+
+
+def test_pairs_with_different_vocabularies_are_refused(tmp_path):
+    target = make_tiny_llama(tmp_path / "t", seed=0)
+    wider = make_tiny_llama(tmp_path / "w", seed=1, vocab=80)
+    with pytest.raises(TokenizerMismatchError, match="64 vocabulary rows, draft .* 80"):
+        build_engine(target, tmp_path / "engines", draft=wider, progress=False)
+    gguf_target = make_tiny_gguf(tmp_path / "g.gguf")  # has a tokenizer; the Hugging Face draft has none
+    with pytest.raises(TokenizerMismatchError, match="differ in model.type"):
+        build_engine(gguf_target, tmp_path / "engines", draft=target, progress=False)
+    assert not [p for p in (tmp_path / "engines").iterdir() if not p.name.startswith(".")]
+
+
+def test_named_engines_are_listed_when_a_name_is_unknown():
+    with pytest.raises(ValueError, match="'smollm2-135m', 'qwen2.5-coder-1.5b'"):
+        resolve_recipe("qwen-unknown")

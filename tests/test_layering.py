@@ -12,8 +12,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "trtssd"
 
 # What the runtime (rank 0's target loop, the draft rank) must never import, even indirectly:
-# the user API, the command lines, benchmarks and the engine build.
-ABOVE_RUNTIME = ("trtssd.llm", "trtssd.bench", "trtssd.plan", "trtssd.cli", "trtssd.build")
+# the user API, the command lines, benchmarks, the engine build, and the servers (OpenAI, Triton).
+ABOVE_RUNTIME = ("trtssd.llm", "trtssd.bench", "trtssd.plan", "trtssd.cli", "trtssd.build", "trtssd.serving",
+                 "trtssd.triton")
 
 
 def _module_name(path: Path) -> str:

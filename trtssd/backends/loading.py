@@ -34,18 +34,24 @@ def load_executor(ref: ModelRef, max_seqs: int, max_seq_len: int, max_batch_toke
 
 def load_side(engine_dir: str | os.PathLike, side: str, *, max_seqs: int = 4, max_seq_len: int = 2048,
               fused: bool = True, **executor_options) -> TorchExecutor:
-    """One side's executor ("target": fp32 TorchExecutor; "draft": the int4 TorchExecutor, with the
-    compiled few-row layers unless ``fused`` is False)."""
+    """One side's executor, as the engine's manifest says it runs: "torch" (the model's own
+    weights in the recorded dtype; the target always) or "torch-int4" (the int4 self-draft, with
+    the compiled few-row layers unless ``fused`` is False)."""
     engine_dir = Path(engine_dir)
     manifest = load_manifest(engine_dir)
-    if side == "target":
+    if side not in ("target", "draft"):
+        raise ValueError(f"side must be 'target' or 'draft', got {side!r}")
+    entry = manifest[side]
+    if entry["backend"] == "torch":
         return TorchExecutor.from_pretrained(
-            engine_dir / manifest["target"]["path"], max_seqs=max_seqs, max_seq_len=max_seq_len, **executor_options
+            engine_dir / entry["path"], dtype=_DTYPES[entry.get("dtype", "float32")],
+            plain_weights=entry.get("plain_weights", True), max_seqs=max_seqs, max_seq_len=max_seq_len,
+            **executor_options,
         )
-    if side == "draft":
+    if entry["backend"] == "torch-int4" and side == "draft":
         model = load_draft_model(engine_dir, manifest, fused=fused)
         return TorchExecutor(model, max_seqs=max_seqs, max_seq_len=max_seq_len, **executor_options)
-    raise ValueError(f"side must be 'target' or 'draft', got {side!r}")
+    raise ValueError(f"{engine_dir}: unknown {side} backend {entry['backend']!r}; rebuild the engine")
 
 
 @dataclass(frozen=True)
@@ -53,8 +59,8 @@ class LoadedEngine:
     """Both sides of an engine, loaded in one process (benchmarks, tests; the runtime loads each
     side in its own rank with ``load_side``)."""
 
-    target: TorchExecutor  # fp32
-    draft: TorchExecutor  # over the int4 model
+    target: TorchExecutor  # in the dtype its manifest entry records (fp32 so far)
+    draft: TorchExecutor  # over the int4 self-draft, or another model in its recorded dtype
     tokenizer: Any  # transformers tokenizer, or None for tokenizer-less test models
     manifest: dict
 

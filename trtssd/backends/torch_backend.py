@@ -121,13 +121,15 @@ class TorchExecutor:
         max_batch_tokens: int | None = None,
         memory_budget_bytes: int | None = None,
         pack_linears: bool = True,
+        plain_weights: bool = True,
     ):
         """model: loaded, in its final dtype and device. max_seqs: KV pool rows (concurrent
         sequences). max_seq_len: slots per row (prompt + output + region). max_batch_tokens: most
         tokens in one forward (default max_seq_len). memory_budget_bytes: weights + KV + scratch
         limit (default: the weights plus the device's free memory now). pack_linears: add oneDNN
         layouts to ``Linear`` weights on CPU (faster multi-row steps; bf16 then drops the plain
-        weights, so the model becomes inference-only)."""
+        weights, so the model becomes inference-only). plain_weights: with pack_linears, keep the
+        plain fp32 weights too (MKL's GEMV for single rows); False halves the linears' memory."""
         if model.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"model dtype must be one of {SUPPORTED_DTYPES}, got {model.dtype}")
         for name, value in (("max_seqs", max_seqs), ("max_seq_len", max_seq_len)):
@@ -148,7 +150,7 @@ class TorchExecutor:
         self.device = model.device
         self.dtype = model.dtype
         if pack_linears:
-            model.pack_linears()
+            model.pack_linears(keep_plain=plain_weights)
         weights = _module_weight_bytes(model)
         self.memory = MemoryPlan(
             budget_bytes=memory_budget_bytes if memory_budget_bytes is not None
@@ -178,9 +180,11 @@ class TorchExecutor:
         max_seq_len: int = 2048,
         max_batch_tokens: int | None = None,
         memory_budget_bytes: int | None = None,
+        plain_weights: bool = True,
     ) -> "TorchExecutor":
         """Load a Hugging Face directory or a GGUF file (see trtssd.models.loader). The KV pool
-        and scratch are checked against the budget before the weights are read."""
+        and scratch are checked against the budget before the weights are read. plain_weights:
+        see ``__init__``."""
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
         device = torch.device(device)
@@ -199,7 +203,7 @@ class TorchExecutor:
         model = load_model(path, dtype, before_weights=check_fixed_memory).to(device)
         return cls(
             model, max_seqs=max_seqs, max_seq_len=max_seq_len, max_batch_tokens=max_batch_tokens,
-            memory_budget_bytes=memory_budget_bytes,
+            memory_budget_bytes=memory_budget_bytes, plain_weights=plain_weights,
         )
 
     @staticmethod

@@ -15,8 +15,11 @@ attention loop is not a GEMM, so it loses to SDPA once many queries share the ke
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,12 +36,26 @@ def load_extension():
     """Compile (once per machine, cached by torch) and import the C++ extension."""
     from torch.utils.cpp_extension import load
 
-    return load(
-        name="trtssd_int4_draft",
-        sources=[str(SOURCE)],
-        extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
-        verbose=False,
-    )
+    with _interpreter_bin_first_on_path():
+        return load(
+            name="trtssd_int4_draft",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+            verbose=False,
+        )
+
+
+@contextlib.contextmanager
+def _interpreter_bin_first_on_path():
+    """Always build with the ninja installed next to this interpreter (our dependency): two
+    ninja versions read each other's build log as stale, so a system ninja on PATH in some
+    processes and ours in others made every load recompile (35-150 s)."""
+    old = os.environ.get("PATH", "")
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{old}"
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
 
 
 def ineligible_reason(model) -> str | None:

@@ -23,8 +23,11 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1  # bump when the directory layout or a stored tensor's meaning changes
 MANIFEST = "manifest.json"
-TARGET_FILE = "target/model.gguf"
-DRAFT_FILE = "draft/model.safetensors"
+TARGET_DIR = "target"  # a Hugging Face target is this directory (config.json + safetensors)
+TARGET_FILE = "target/model.gguf"  # a GGUF target
+DRAFT_DIR = "draft"  # a Hugging Face draft run by torch
+DRAFT_GGUF = "draft/model.gguf"  # a GGUF draft run by torch
+DRAFT_FILE = "draft/model.safetensors"  # the int4 self-draft
 TOKENIZER_DIR = "tokenizer"
 
 
@@ -52,6 +55,8 @@ def load_draft_model(engine_dir: str | os.PathLike, manifest: Mapping[str, Any] 
     engine_dir = Path(engine_dir)
     manifest = manifest if manifest is not None else load_manifest(engine_dir)
     draft = manifest["draft"]
+    if draft["backend"] != "torch-int4":
+        raise ValueError(f"{engine_dir}: the draft is {draft['backend']!r}, not the int4 self-draft")
     cfg = ModelConfig.from_json(draft["config"])
     stored = load_file(str(engine_dir / draft["path"]))
     model = LlamaModel(cfg)

@@ -32,7 +32,7 @@ class Linear(nn.Module):
     rows, so multi-row inputs (K+1 verification, tree steps, prefill) run ~1.6-2x faster than
     MKL's small-M GEMM, and bf16 gets a fast kernel at all. For single-row fp32 inputs MKL's GEMV
     is as fast and matches transformers bit for bit, so fp32 keeps the plain weight for those
-    (at the cost of holding W twice); bf16 drops it.
+    (at the cost of holding W twice) unless asked not to; bf16 drops it.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype | None = None):
@@ -46,16 +46,18 @@ class Linear(nn.Module):
     def packed(self) -> bool:
         return self._packed is not None
 
-    def pack(self) -> bool:
+    def pack(self, keep_plain: bool = True) -> bool:
         """Add the oneDNN layout when it applies (CPU, fp32/bf16); returns whether the module is
-        packed. A packed bf16 module has no plain weight any more (inference only)."""
+        packed. A packed bf16 module has no plain weight any more (inference only), nor has an
+        fp32 one when ``keep_plain`` is False (half the memory; single rows then go through
+        oneDNN too, which is not bit for bit MKL's GEMV)."""
         w = self.weight
         if self.packed or w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
             return self.packed
         if not torch.backends.mkldnn.is_available():
             return False
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
-        if w.dtype == torch.bfloat16:
+        if w.dtype == torch.bfloat16 or not keep_plain:
             self.weight = None
         return True
 
@@ -318,9 +320,10 @@ class LlamaModel(nn.Module):
         parent, _, attr = name.rpartition(".")
         setattr(self.get_submodule(parent) if parent else self, attr, module)
 
-    def pack_linears(self) -> int:
-        """Re-lay every packable ``Linear`` for oneDNN (CPU); returns how many were packed."""
-        return sum(m.pack() for _, m in self.linears() if isinstance(m, Linear))
+    def pack_linears(self, keep_plain: bool = True) -> int:
+        """Re-lay every packable ``Linear`` for oneDNN (CPU); returns how many were packed.
+        ``keep_plain``: see ``Linear.pack``."""
+        return sum(m.pack(keep_plain) for _, m in self.linears() if isinstance(m, Linear))
 
     def forward(
         self, tokens: torch.Tensor, batch: AttentionBatch, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from trtssd.models.config import ModelConfig
+from trtssd.models.dequant import dequantize
 from trtssd.models.llama import LinearFactory, LlamaModel, default_linear
 
 log = logging.getLogger(__name__)
@@ -46,12 +47,7 @@ class GGUFTensor:
 
     def dequantize(self) -> torch.Tensor:
         """fp32 tensor of ``shape``."""
-        from gguf.quants import dequantize
-
-        values = dequantize(self.data, self.qtype)
-        if np.may_share_memory(values, self.data):  # F32 comes back as a view of the read-only map
-            values = values.copy()
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.shape)
+        return dequantize(self.data, self.qtype, self.shape)
 
 
 @dataclass(frozen=True)

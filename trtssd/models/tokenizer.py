@@ -32,3 +32,20 @@ def load_tokenizer(path: str | os.PathLike):
     if any((path / name).exists() for name in _TOKENIZER_FILES):
         return AutoTokenizer.from_pretrained(str(path))
     return None
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """A text prompt's token ids, as every entry point encodes it: no special tokens added (chat
+    templates add their own), and BOS for a text that encodes to nothing."""
+    return tokenizer.encode(text, add_special_tokens=False) or [tokenizer.bos_token_id or 0]
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The prompt of one assistant turn: the tokenizer's chat template over ``messages``.
+    Raises ValueError when the model has no template (the template's own errors pass through)."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)

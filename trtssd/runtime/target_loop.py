@@ -192,6 +192,9 @@ class TargetLoop:
         t0 = time.perf_counter()
         seqs = self.running
         chosen = self.speculating
+        if chosen and self._released:  # the draft waits for no request now: free its rows at once
+            self.draft.send(P.Release(tuple(self._released)))
+            self._released = []
         chunks = [chain_chunk(s.seq_id, [s.bonus], self.target.committed(s.seq_id)) for s in seqs]
         logits = torch.cat(self.target.forward(chunks))
         nxt = sample(processed_probs(logits, [s.params for s in seqs]), [s.generator for s in seqs])
@@ -325,6 +328,30 @@ class TargetLoop:
 
     def pop_finished(self, seq_id: int) -> Sequence:
         return self.finished.pop(seq_id)
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """End a waiting or running request now (its client went away). Its target rows are
+        freed at once; the draft's go with the next message to the draft (the next round's
+        request, or a Release right away when nothing else runs). Call between steps. Returns
+        the sequence (finish_reason "abort"), or None when it is neither waiting nor running."""
+        seq = next((s for s in self.waiting if s.seq_id == seq_id), None)
+        if seq is not None:
+            self.waiting.remove(seq)  # never admitted: no rows anywhere
+        else:
+            seq = next((s for s in self.running if s.seq_id == seq_id), None)
+            if seq is None:
+                return None
+            self.running.remove(seq)
+            self.target.release(seq_id)
+            if seq.on_draft:
+                self._released.append(seq_id)
+        seq.finish_reason = "abort"
+        seq.finish_time = time.perf_counter()
+        self.metrics.merge(seq.metrics, times=False)  # its rounds were real work: count them
+        if self._released and self.speculating and not self.running and not self.waiting:
+            self.draft.send(P.Release(tuple(self._released)))
+            self._released = []
+        return seq
 
 
 def _verify_layout(bonus: int, proposals: torch.Tensor, committed: int):

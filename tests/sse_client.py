@@ -1,0 +1,64 @@
+"""A small OpenAI-streaming client for the serving tests: parses the SSE stream of one request
+into what a client would keep, and the Prometheus text of /metrics into numbers."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class Streamed:
+    chunks: list[dict] = field(default_factory=list)
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict | None = None
+    error: dict | None = None
+    done: bool = False  # saw data: [DONE]
+
+
+def add_event(result: Streamed, data: str) -> None:
+    if data == "[DONE]":
+        result.done = True
+        return
+    event = json.loads(data)
+    if "error" in event:
+        result.error = event["error"]
+        return
+    result.chunks.append(event)
+    if event.get("usage"):
+        result.usage = event["usage"]
+    for choice in event["choices"]:
+        result.text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+        result.token_ids += choice.get("token_ids") or []
+        if choice.get("finish_reason"):
+            result.finish_reason = choice["finish_reason"]
+
+
+async def stream_request(client: httpx.AsyncClient, path: str, body: dict) -> Streamed:
+    result = Streamed()
+    async with client.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                add_event(result, line[len("data: "):])
+    return result
+
+
+def scrape(client: httpx.Client, name: str, **labels) -> float:
+    """The sum of the samples of metric ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        series, value = line.rsplit(" ", 1)
+        metric, _, label_text = series.partition("{")
+        if metric != name:
+            continue
+        have = dict(part.split("=", 1) for part in label_text.rstrip("}").split(",") if part)
+        if all(have.get(k) == f'"{v}"' for k, v in labels.items()):
+            total += float(value)
+    return total

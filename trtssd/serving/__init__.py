@@ -1,0 +1,11 @@
+"""Serving: the always-on engine and the OpenAI-compatible HTTP server on it.
+
+    async_engine       the target loop in its own thread; requests join and leave between rounds
+    openai_requests    OpenAI request bodies -> token ids + SamplingParams (or a clear 4xx)
+    openai_responses   OpenAI response bodies and SSE chunks
+    prometheus_metrics vLLM-named (and trtssd:) Prometheus metrics of one server
+    openai_server      the FastAPI routes
+    uvicorn_runner     the server on a real socket, in the foreground or a background thread
+
+Nothing is imported here, so the engine can be used without the HTTP stack.
+"""

@@ -1,0 +1,174 @@
+"""The OpenAI-compatible HTTP API over one `LLM`: FastAPI routes on the always-on engine.
+
+    POST /v1/completions        prompt (text or token ids) -> text; SSE with "stream": true
+    POST /v1/chat/completions   messages, through the tokenizer's chat template
+    GET  /v1/models             the served model
+    GET  /health                200 while the engine serves (a lost draft included: it decodes
+                                in ar mode), 503 once it is dead
+    GET  /metrics               Prometheus text format
+
+Errors are OpenAI's {"error": {"message", "type", "param", "code"}} with the HTTP status in
+``code``. With an API key, every /v1 route wants ``Authorization: Bearer <key>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from trtssd.config import Mode
+from trtssd.llm import LLM
+from trtssd.serving.async_engine import DEFAULT_MAX_WAITING, AsyncEngine, EngineDead, Overloaded, RequestStream
+from trtssd.serving.openai_requests import ApiError, GenerationRequest, Kind, ModelInfo, parse_json, parse_request
+from trtssd.serving.openai_responses import DONE, ResponseHeader, chunk, full_response, sse, usage_chunk
+from trtssd.serving.prometheus_metrics import CONTENT_TYPE, ServerMetrics
+
+log = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+
+
+class OpenAIServer:
+    """One served model: the engine thread, its metrics and the FastAPI app (``.app``).
+
+    The caller owns ``llm`` (and closes it after `close`)."""
+
+    def __init__(self, llm: LLM, model_name: str, api_key: str | None = None,
+                 max_waiting: int = DEFAULT_MAX_WAITING):
+        self.llm = llm
+        self.model = ModelInfo(model_name, llm.tokenizer, llm.runtime.max_seq_len)
+        self.api_key = api_key
+        self.metrics = ServerMetrics(model_name, llm.spec.k)
+        self.engine = AsyncEngine(llm.loop, max_waiting, on_finished=self.metrics.observe)
+        self.metrics.track(self.engine)
+        self.created = int(time.time())
+        self.app = self._build_app()
+
+    def start(self) -> "OpenAIServer":
+        self.engine.start()
+        return self
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="trtssd", description="OpenAI-compatible server for speculative speculative decoding")
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.prometheus, methods=["GET"])
+        app.add_exception_handler(ApiError, _api_error)
+        app.add_exception_handler(StarletteHTTPException, _http_error)  # 404/405 in the same shape
+        app.add_exception_handler(Exception, _internal_error)
+        return app
+
+    # --- routes ----------------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, Kind.COMPLETION)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, Kind.CHAT)
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        card = {"id": self.model.name, "object": "model", "created": self.created, "owned_by": "trtssd",
+                "root": self.model.name, "parent": None, "max_model_len": self.model.max_model_len, "permission": []}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self) -> Response:
+        if not self.engine.alive:
+            return _error_response(ApiError(503, f"the engine is dead: {self.engine.failure}"))
+        loop = self.engine.loop
+        draft = "none" if loop.spec.mode is Mode.AR else ("alive" if loop.speculating else "lost")
+        return JSONResponse({"status": "ok", "mode": loop.spec.mode.value, "draft": draft})
+
+    async def prometheus(self) -> Response:
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    # --- generation ------------------------------------------------------------------------------
+
+    async def _generate(self, request: Request, kind: Kind) -> Response:
+        self._authorize(request)
+        req = parse_request(kind, parse_json(await request.body()), self.model)
+        stream = self._submit(req)
+        header = ResponseHeader.new(kind, self.model.name)
+        if req.stream:
+            return StreamingResponse(self._events(stream, req, header), media_type="text/event-stream")
+        final = await self._collect(stream, request)
+        return JSONResponse(full_response(header, req, final))
+
+    def _submit(self, req: GenerationRequest) -> RequestStream:
+        try:
+            return self.engine.submit(req.prompt, req.params)
+        except ValueError as err:  # the loop's own checks: prompt length, token id range
+            raise ApiError(400, str(err), "messages" if req.kind is Kind.CHAT else "prompt") from None
+        except (Overloaded, EngineDead) as err:
+            raise ApiError(503, str(err)) from None
+
+    async def _events(self, stream: RequestStream, req: GenerationRequest, header: ResponseHeader):
+        """The SSE body. A client that goes away cancels this generator: the request is aborted
+        and its rows freed before the next round."""
+        try:
+            if req.kind is Kind.CHAT:
+                yield sse(chunk(header, req, "", role=True))
+            async for delta in stream:
+                if delta.text or (req.return_token_ids and delta.token_ids):
+                    yield sse(chunk(header, req, delta.text, delta.token_ids))
+            yield sse(chunk(header, req, "", finish_reason=stream.final.finish_reason))
+            if req.include_usage:
+                yield sse(usage_chunk(header, stream.final))
+        except EngineDead as err:
+            yield sse(ApiError(503, str(err)).body())
+        finally:
+            stream.abort()  # a no-op once finished
+        yield DONE
+
+    async def _collect(self, stream: RequestStream, request: Request):
+        """The whole output of a non-streaming request; aborted if its client goes away."""
+        task = asyncio.ensure_future(stream.result())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if not task.done() and await request.is_disconnected():
+                    log.info("client of %s went away: aborting it", stream.request_id)
+                    stream.abort()
+            return task.result()
+        except EngineDead as err:
+            raise ApiError(503, str(err)) from None
+        finally:
+            if not task.done():  # this handler was cancelled (server shutting down)
+                task.cancel()
+                stream.abort()
+
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise ApiError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'")
+
+
+def _error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+# Exception handlers are coroutines: Starlette would run plain functions in its thread pool.
+async def _api_error(_request, err: ApiError) -> JSONResponse:
+    return _error_response(err)
+
+
+async def _http_error(_request, err: StarletteHTTPException) -> JSONResponse:
+    return _error_response(ApiError(err.status_code, str(err.detail)))
+
+
+async def _internal_error(_request, err: Exception) -> JSONResponse:
+    log.error("unhandled error: %s: %s", type(err).__name__, err)
+    return _error_response(ApiError(500, f"internal error: {type(err).__name__}: {err}"))

@@ -1,0 +1,61 @@
+"""The Triton model's inputs and outputs: one table, read by the repository writer (config.pbtxt)
+and by the model (parsing requests, building responses).
+
+The names are the ones existing Triton LLM clients send and read: vLLM's Triton backend
+(``text_input``, ``stream``, ``sampling_parameters``, ``exclude_input_in_output`` ->
+``text_output``, ``finish_reason``, ``num_input_tokens``, ``num_output_tokens``) and TensorRT-LLM's
+(the optional scalars ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
+``stop_words``; its speculation outputs ``acceptance_rate``, ``total_accepted_draft_tokens``,
+``total_draft_tokens``; ``output_ids``). So ``vllm bench serve --backend tensorrt-llm`` and
+clients written for either backend work unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    data_type: str  # config.pbtxt's TYPE_*
+    dims: tuple[int, ...]  # without a batch dimension (max_batch_size is 0)
+    optional: bool
+    doc: str
+
+
+INPUTS = (
+    TensorSpec("text_input", "TYPE_STRING", (1,), False, "the prompt, as text"),
+    TensorSpec("stream", "TYPE_BOOL", (1,), True, "true: one response per round with only its new text"),
+    TensorSpec("sampling_parameters", "TYPE_STRING", (1,), True,
+               "JSON object as vLLM's backend takes it: temperature, top_p, top_k, min_p, max_tokens, "
+               "seed, stop, stop_token_ids, ignore_eos"),
+    TensorSpec("exclude_input_in_output", "TYPE_BOOL", (1,), True,
+               "without streaming: false (default) puts the prompt before the generated text"),
+    TensorSpec("max_tokens", "TYPE_INT32", (1,), True, "most tokens to generate"),
+    TensorSpec("temperature", "TYPE_FP32", (1,), True, "0 = greedy"),
+    TensorSpec("top_p", "TYPE_FP32", (1,), True, "nucleus sampling mass; 1 = off"),
+    TensorSpec("top_k", "TYPE_INT32", (1,), True, "keep the k most likely tokens; 0 (or -1) = off"),
+    TensorSpec("min_p", "TYPE_FP32", (1,), True, "drop tokens below min_p x the top probability; 0 = off"),
+    TensorSpec("seed", "TYPE_UINT64", (1,), True, "per-request seed: the same request repeats its output"),
+    TensorSpec("stop_words", "TYPE_STRING", (-1,), True, "stop strings"),
+    TensorSpec("ignore_eos", "TYPE_BOOL", (1,), True, "keep generating past end-of-sequence (benchmarks)"),
+)
+
+OUTPUTS = (
+    TensorSpec("text_output", "TYPE_STRING", (-1,), False, "generated text (streaming: this response's new text)"),
+    TensorSpec("output_ids", "TYPE_INT32", (-1,), False, "generated token ids (streaming: this response's new ones)"),
+    TensorSpec("finish_reason", "TYPE_STRING", (-1,), False, "'stop' or 'length' in the last response, else ''"),
+    TensorSpec("num_input_tokens", "TYPE_UINT32", (1,), False, "prompt tokens"),
+    TensorSpec("num_output_tokens", "TYPE_UINT32", (-1,), False, "tokens generated so far"),
+    TensorSpec("acceptance_rate", "TYPE_FP32", (1,), False,
+               "accepted / proposed draft tokens over the request (last response; 0 before)"),
+    TensorSpec("total_accepted_draft_tokens", "TYPE_INT32", (1,), False, "draft tokens accepted (last response)"),
+    TensorSpec("total_draft_tokens", "TYPE_INT32", (1,), False, "draft tokens proposed (last response)"),
+    TensorSpec("cache_hit_rate", "TYPE_FP32", (1,), False,
+               "SSD rounds answered from the speculation cache / SSD rounds (last response)"),
+)
+
+# The scalar inputs that set one SamplingParams field each (input name -> field name).
+SAMPLING_INPUTS = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                   "min_p": "min_p", "seed": "seed", "stop_words": "stop", "ignore_eos": "ignore_eos"}

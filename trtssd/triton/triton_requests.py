@@ -1,0 +1,170 @@
+"""One Triton request -> what the engine runs: prompt token ids, SamplingParams and the response
+options, checked field by field (a bad field is a `ValueError` naming it: the client gets it as
+an INVALID_ARG error and the model stays loaded).
+
+Sampling settings may come three ways, later ones winning:
+1. ``sampling_parameters``, a JSON object as vLLM's Triton backend takes it (numbers may be
+   strings, as in vLLM's sample client); unknown keys are refused;
+2. request parameters (the HTTP ``generate`` endpoints turn every key that is not an input into
+   one): the sampling keys are taken, the others (``accumulate_tokens`` from ``vllm bench serve``,
+   ...) are left alone;
+3. the TensorRT-LLM-style scalar inputs (``max_tokens``, ``temperature``, ...).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from trtssd.models.tokenizer import encode_text
+from trtssd.sampling import SamplingParams
+from trtssd.triton.tensors import SAMPLING_INPUTS
+
+DEFAULT_MAX_TOKENS = 16  # vLLM's (and its Triton backend's) default
+
+# The keys of ``sampling_parameters`` and their types (vLLM's names; top_k -1 means off, as there).
+SAMPLING_KEYS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float,
+                 "seed": int, "stop": list, "stop_token_ids": list, "ignore_eos": bool}
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt_text: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    prepend_input: bool  # put the prompt before the generated text (non-streaming only)
+
+
+def parse_request(inputs: dict[str, np.ndarray], parameters: dict, tokenizer) -> GenerateRequest:
+    """``inputs``: the request's input tensors by name; ``parameters``: its request parameters."""
+    text = _text_input(inputs)
+    stream = _bool(inputs, "stream", False)
+    prepend_input = _prepend_input(inputs, stream)
+    settings = {"max_tokens": DEFAULT_MAX_TOKENS}
+    settings.update(_sampling_parameters(inputs))
+    settings.update({k: _convert(k, v, "request parameter") for k, v in parameters.items() if k in SAMPLING_KEYS})
+    settings.update(_scalar_inputs(inputs))
+    return GenerateRequest(text, _encode(text, tokenizer), _params(settings), stream, prepend_input)
+
+
+def _text_input(inputs: dict[str, np.ndarray]) -> str:
+    if "text_input" not in inputs:
+        raise ValueError("'text_input' is required: the prompt as one string")
+    values = inputs["text_input"].reshape(-1)
+    if values.size != 1:
+        raise ValueError(f"'text_input' must hold one string (one prompt per request); got {values.size}")
+    text = _string(values[0], "text_input")
+    if not text:
+        raise ValueError("'text_input' must be a non-empty string")
+    return text
+
+
+def _prepend_input(inputs: dict[str, np.ndarray], stream: bool) -> bool:
+    """vLLM's backend's rule: streamed text never repeats the prompt, and asking for it is an error."""
+    if "exclude_input_in_output" not in inputs:
+        return not stream
+    prepend = not _bool(inputs, "exclude_input_in_output", True)
+    if prepend and stream:
+        raise ValueError("'exclude_input_in_output' = false is not allowed with 'stream' = true: streamed "
+                         "responses carry only new text")
+    return prepend
+
+
+def _sampling_parameters(inputs: dict[str, np.ndarray]) -> dict:
+    if "sampling_parameters" not in inputs:
+        return {}
+    values = inputs["sampling_parameters"].reshape(-1)
+    if values.size != 1:
+        raise ValueError(f"'sampling_parameters' must hold one JSON string; got {values.size} elements")
+    raw = _string(values[0], "sampling_parameters")
+    try:
+        given = json.loads(raw) if raw.strip() else {}
+    except json.JSONDecodeError as err:
+        raise ValueError(f"'sampling_parameters' is not valid JSON: {err}") from None
+    if not isinstance(given, dict):
+        raise ValueError(f"'sampling_parameters' must be a JSON object; got {type(given).__name__}")
+    unknown = sorted(set(given) - set(SAMPLING_KEYS))
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in 'sampling_parameters'; supported: {', '.join(SAMPLING_KEYS)}")
+    return {k: _convert(k, v, "sampling_parameters") for k, v in given.items() if v is not None}
+
+
+def _scalar_inputs(inputs: dict[str, np.ndarray]) -> dict:
+    out = {}
+    for name, field in SAMPLING_INPUTS.items():
+        if name not in inputs:
+            continue
+        values = inputs[name].reshape(-1)
+        if name == "stop_words":
+            out[field] = [_string(v, name) for v in values]
+            continue
+        if values.size != 1:
+            raise ValueError(f"'{name}' must hold one value; got {values.size}")
+        value = values[0]
+        out[field] = bool(value) if name == "ignore_eos" else value.item()
+    return out
+
+
+def _convert(key: str, value, where: str):
+    """A JSON or parameter value as the SamplingParams field wants it (numbers may be strings)."""
+    kind = SAMPLING_KEYS[key]
+    if kind is list:
+        if key == "stop" and isinstance(value, str):
+            return [value]
+        if not isinstance(value, list):
+            raise ValueError(f"'{key}' in {where} must be a list; got {json.dumps(value)}")
+        return value
+    if kind is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if not isinstance(value, bool):
+            raise ValueError(f"'{key}' in {where} must be true or false; got {json.dumps(value)}")
+        return value
+    if isinstance(value, bool):
+        raise ValueError(f"'{key}' in {where} must be a number; got {json.dumps(value)}")
+    if isinstance(value, str):
+        try:
+            value = float(value) if kind is float else int(value)
+        except ValueError:
+            raise ValueError(f"'{key}' in {where} must be a number; got {json.dumps(value)}") from None
+    if kind is int and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return value
+
+
+def _params(settings: dict) -> SamplingParams:
+    if settings.get("top_k") == -1:
+        settings["top_k"] = 0  # vLLM's "off" is -1, ours 0
+    for key in ("stop", "stop_token_ids"):
+        if key in settings:
+            settings[key] = tuple(settings[key])
+    return SamplingParams(**settings)  # its ValueError names the field and the allowed range
+
+
+def _encode(text: str, tokenizer) -> list[int]:
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer, so it cannot take 'text_input'")
+    return encode_text(tokenizer, text)  # as LLM.generate and the OpenAI server encode it
+
+
+def _bool(inputs: dict[str, np.ndarray], name: str, default: bool) -> bool:
+    if name not in inputs:
+        return default
+    values = inputs[name].reshape(-1)
+    if values.size != 1:
+        raise ValueError(f"'{name}' must hold one boolean; got {values.size} values")
+    return bool(values[0])
+
+
+def _string(value, name: str) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"'{name}' is not valid UTF-8: {err}") from None
+    if isinstance(value, str):
+        return value
+    raise ValueError(f"'{name}' must be a string; got {type(value).__name__}")

@@ -177,13 +177,17 @@ def _add_triton_parsers(sub) -> None:
 
 def _build(args: argparse.Namespace) -> int:
     from trtssd.build import DEFAULT_ENGINE, build_engine
+    from trtssd.models.split_wheels import SplitFileError
 
     if args.target is not None and args.engine is not None:
         raise ValueError("give a named engine or --target, not both")
-    path = build_engine(
-        args.target or args.engine or DEFAULT_ENGINE, args.out, draft=args.draft, name=args.name,
-        draft_dtype=args.draft_dtype, plain_weights=False if args.packed_only else None, force=args.force,
-    )
+    try:
+        path = build_engine(
+            args.target or args.engine or DEFAULT_ENGINE, args.out, draft=args.draft, name=args.name,
+            draft_dtype=args.draft_dtype, plain_weights=False if args.packed_only else None, force=args.force,
+        )
+    except (FileNotFoundError, SplitFileError) as err:  # said as a usage error, without a traceback
+        raise ValueError(str(err)) from err
     sys.stdout.write(f"{path}\n")
     return 0
 

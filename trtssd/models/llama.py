@@ -56,7 +56,11 @@ class Linear(nn.Module):
             return self.packed
         if not torch.backends.mkldnn.is_available():
             return False
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+        try:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+        except RuntimeError as err:  # bf16 on a CPU without AVX-512 (oneDNN has no kernel there)
+            log.debug("linear %dx%d stays unpacked: %s", self.out_features, self.in_features, err)
+            return False
         if w.dtype == torch.bfloat16 or not keep_plain:
             self.weight = None
         return True

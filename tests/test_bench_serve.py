@@ -258,9 +258,11 @@ def test_concurrency_sweep_measures_known_timings(tmp_path):
         s = run.summary
         assert (s["completed"], s["failed"], s["total_output_tokens"], s["total_input_tokens"]) == (6, 0, 90, 42)
         assert s["tokens_from_usage"] is True  # 15 tokens each from usage, not 5 chunks
-        assert s["median_ttft_ms"] == pytest.approx(100, abs=30)
-        assert s["median_itl_ms"] == pytest.approx(40, abs=15)
-        assert s["median_e2el_ms"] == pytest.approx(expected_e2e * 1e3, abs=40)
+        # The stand-in sleeps exactly these times: a measurement is never shorter; on a busy shared
+        # machine it can be much longer, so the upper bounds are loose.
+        assert 95 <= s["median_ttft_ms"] <= 100 + 150
+        assert 35 <= s["median_itl_ms"] <= 40 + 60
+        assert expected_e2e * 1e3 - 10 <= s["median_e2el_ms"] <= expected_e2e * 1e3 + 250
         assert s["median_tpot_ms"] == pytest.approx((expected_e2e - 0.10) / (tokens - 1) * 1e3, abs=3)
         assert len([g for r in run.requests for g in r.itl_s]) == 6 * 4  # gaps between chunks, not tokens
         for r in run.requests:
@@ -309,7 +311,7 @@ def test_chat_endpoint_request_rate_and_body(tmp_path):
     run = report.runs[0]
     assert run.summary["completed"] == 5 and run.spec is None  # no /metrics: reported as absent, not an error
     # The role-only delta arrives at once; the first token 80 ms later is what TTFT measures.
-    assert run.summary["median_ttft_ms"] == pytest.approx(80, abs=30)
+    assert 75 <= run.summary["median_ttft_ms"] <= 80 + 150
     body = server.bodies[-1]
     assert body["messages"][0]["role"] == "user" and body["messages"][0]["content"].startswith("question")
     assert (body["stream"], body["stream_options"], body["ignore_eos"], body["temperature"], body["top_k"],

@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from trtssd.bench import serve
+import trtssd.bench.serve as serve
 from trtssd.bench.config import ALL_SYSTEMS, BenchConfig
 from trtssd.bench.prompts import BUILTIN_SETS, load_prompt_set
 from trtssd.bench.report import render_markdown, write_report

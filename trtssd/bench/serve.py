@@ -40,7 +40,9 @@ from typing import Sequence
 
 import numpy as np
 
+import trtssd.bench.serve_report as serve_report
 from trtssd.bench.prompts import BUILTIN_SETS, PromptItem, load_prompt_set
+from trtssd.bench.report import machine_info
 
 log = logging.getLogger(__name__)
 
@@ -483,7 +485,6 @@ def run_serve_benchmark(cfg: ServeConfig, command: str = "") -> ServeReport:
 async def _run_all(cfg: ServeConfig, command: str) -> ServeReport:
     import aiohttp
 
-    from trtssd.bench.report import machine_info
 
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     # sock_read, not total: a long generation is fine, a server silent for timeout_s is not.
@@ -651,8 +652,6 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trtssd.bench import serve_report
-
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")

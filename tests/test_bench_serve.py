@@ -273,9 +273,10 @@ def test_concurrency_sweep_measures_known_timings(tmp_path):
         assert len(run.loadavg_start) == 3 and len(run.loadavg_end) == 3
     c1, c3 = report.runs
     # One at a time: 6 back-to-back requests; three at a time: two waves.
-    assert c1.summary["duration_s"] == pytest.approx(6 * expected_e2e, rel=0.2)
-    assert c3.summary["duration_s"] == pytest.approx(2 * expected_e2e, rel=0.25)
-    assert c1.summary["output_throughput"] == pytest.approx(90 / (6 * expected_e2e), rel=0.2)
+    # Never faster than the stand-in's sleeps allow; loosely bounded above (shared machine).
+    assert 6 * expected_e2e * 0.95 <= c1.summary["duration_s"] <= 6 * expected_e2e * 2
+    assert 2 * expected_e2e * 0.95 <= c3.summary["duration_s"] <= 2 * expected_e2e * 2
+    assert 90 / (6 * expected_e2e) / 2 <= c1.summary["output_throughput"] <= 90 / (6 * expected_e2e) * 1.05
 
     files = write_report(report, tmp_path / "out")
     assert [f.name for f in files] == ["results.json", "results.md", "serve.png"]

@@ -2,9 +2,12 @@
 tokens: the marginal of every output position 2..6 and of every pair of neighbours from position
 2 on must be plain sampling's, computed exactly by enumerating the target's continuations.
 
-Runs the real target loop and draft worker in one process (`launch="local"`, no MPI) with the
-default ssd settings (auto fan-out, auto backup, Saguaro c = 0.7), a vocabulary of 8 (so exact
+Runs the real target loop and draft worker in one process (`launch="local"`, no MPI) with a
+fixed fan-out (2, 6), the neural backup and Saguaro c = 0.3, a vocabulary of 8 (so exact
 enumeration to depth 6 is cheap) and a batch mixing greedy rows with top-k + min-p rows. The
+policy is fixed rather than auto because auto fan-out follows measured timings: on a loaded CI
+machine it chose narrower trees and the hit share fell to 0.45 (0.55 on a quiet one), while
+(2, 6) gives about 0.63 whatever the load. The
 negative control ships the plain q from the tree while sampling from q' (the drift ALGORITHM.md
 section 5 warns about): the same check must fail.
 """
@@ -17,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from exact_chain import Check, check_counts
 from tiny_models import make_tiny_llama
 from trtssd import LLM, ModelRef, SamplingParams
 from trtssd.sampling import processed_probs
@@ -58,28 +62,19 @@ def _exact_joints(target_dir: Path) -> list[np.ndarray]:
     return joints
 
 
-def _z_scores(counts: np.ndarray, probs: np.ndarray) -> np.ndarray:
-    n = counts.sum()
-    sigma = np.sqrt(np.maximum(probs * (1 - probs), 1e-12) / n)
-    return np.abs(counts / n - probs) / sigma
-
-
-def _check(tokens: np.ndarray, joints: list[np.ndarray]) -> list[str]:
-    """Positions 2..DEPTH and neighbour pairs from position 2 on, each cell within 4.5 sigma."""
-    failures = []
+def _check(tokens: np.ndarray, joints: list[np.ndarray]) -> Check:
+    """Positions 2..DEPTH and neighbour pairs from position 2 on, as one family of cells with
+    exact binomial tails (exact_chain.check_counts): a normal approximation gave false alarms on
+    cells expecting ~4 counts (15 seen is z = 5.3 but a tail of 2e-5)."""
+    rows = torch.from_numpy(tokens)
+    parts = []
     for pos in range(2, DEPTH + 1):
-        joint = joints[pos]
-        marginal = joint.sum(axis=tuple(range(pos - 1)))
-        z = _z_scores(np.bincount(tokens[:, pos - 1], minlength=VOCAB), marginal)
-        if z.max() > 4.5:
-            failures.append(f"position {pos}: z = {z.max():.1f}")
+        marginal = joints[pos].sum(axis=tuple(range(pos - 1)))
+        parts.append((f"x{pos}", rows[:, pos - 1], torch.from_numpy(marginal)))
         if pos < DEPTH:
             pair = joints[pos + 1].sum(axis=tuple(range(pos - 1))).reshape(-1)
-            cells = tokens[:, pos - 1] * VOCAB + tokens[:, pos]
-            z = _z_scores(np.bincount(cells, minlength=VOCAB * VOCAB), pair)
-            if z.max() > 4.5:
-                failures.append(f"pair ({pos}, {pos + 1}): z = {z.max():.1f}")
-    return failures
+            parts.append((f"(x{pos}, x{pos + 1})", rows[:, pos - 1] * VOCAB + rows[:, pos], torch.from_numpy(pair)))
+    return check_counts(parts)
 
 
 def _ship_plain_q_from_the_tree(worker) -> None:
@@ -109,7 +104,7 @@ def _run(pair, mutate: bool):
     target, draft = pair
     torch.manual_seed(0)  # unseeded requests: the draft keeps Saguaro's skew (seeded rows do not)
     with LLM(target=ModelRef(str(target)), draft=ModelRef(str(draft)), mode="ssd", k=1, launch="local",
-             fanout_budget=4, saguaro_c=0.3, plain_under_load=False, max_batch=16, max_seq_len=32) as llm:
+             fanout=(2, 6), backup="neural", saguaro_c=0.3, plain_under_load=False, max_batch=16, max_seq_len=32) as llm:
         if mutate:
             _ship_plain_q_from_the_tree(llm.loop.draft.server.worker)
         prompts = [PROMPT] * (N + N // 7)
@@ -130,7 +125,8 @@ def test_hits_carry_the_checked_tokens_and_the_output_is_exact(pair):
     assert len(sampled) >= N
     # The first round has no cache yet; the later ones are mostly hits and produce most tokens.
     assert hit_share > 0.5, hit_share
-    assert _check(sampled, joints) == []
+    check = _check(sampled, joints)
+    assert check.ok, check
     with LLM(target=ModelRef(str(pair[0])), mode="ar", max_seq_len=32, launch="local") as llm:
         ref = llm.generate([PROMPT], GREEDY)[0].token_ids
     assert all(g == ref for g in greedy)
@@ -140,5 +136,5 @@ def test_negative_control_plain_q_shipped_from_the_tree_is_caught(pair):
     joints = _exact_joints(pair[0])
     sampled, _, hit_share = _run(pair, mutate=True)
     assert hit_share > 0.5, hit_share
-    failures = _check(sampled, joints)
-    assert failures != []
+    check = _check(sampled, joints)
+    assert not check.ok, check

@@ -1,18 +1,28 @@
-"""GPU check: tree-attention kernel and executor-step timings on Llama-shaped sizes.
+"""GPU check: GPU pytest, ar/sd/ssd with both ranks on the GPU, kernel and executor timings.
 
-Run through scripts/gpu_check.sh (which first runs ``pytest -m gpu``). Every section is
-independent: a failure is recorded in the JSON (``errors``) and the next section still runs.
-Each section also has a time budget so the whole check stays inside its 8 minutes.
+Run through scripts/gpu_check.sh, which runs ``pytest -m gpu`` and then this script once per
+section (``--section NAME``), each in its own process under its own time limit: a section that
+fails, hangs or is killed loses only itself. Every run reads the one JSON file (--out), puts its
+section in, and writes it back; a section is marked "started" before it runs, so one killed at
+its limit is visible as such (``--section summary`` turns those marks into errors).
 
 Sections
-  env       versions, GPU name, SM count
-  kernel    tree attention: Triton kernel (auto config and single launch) vs torch SDPA with a
-            boolean mask (bf16) vs the full reference path, and vs the time to read the
-            prefix K/V once at the H200's ~4.8 TB/s; the kernel's max error vs the reference
-  sweep     a few launch configs on one verify and one tree shape (for tuning the heuristics)
-  aot       the TensorRT-plugin kernel compiled to PTX with this machine's Triton
-  executor  TorchExecutor decode / verify / tree steps on random-weight 1B- and 8B-shaped
-            Llama models (bf16), with the Triton kernel and with the SDPA reference
+  env          versions, GPU name, SM count, whether MPI can launch the draft rank
+  speculative  ar / sd / ssd on the default engine (engines/smollm2-135m, or --engine) with target
+               and draft on the GPU: greedy outputs against ar, tokens/s, acceptance, cache hit
+               rate, the transport used (CUDA IPC when the draft is its own process). Without
+               mpi4py/mpiexec the draft runs in-process (launch="local"), and the JSON says so.
+               Without the engine directory (it is 286 MB: too big to travel with the repo) a
+               random-weight SmolLM2-135M-shaped pair is used instead, and the JSON says so.
+  kernel       tree attention: Triton kernel (auto config and single launch) vs torch SDPA with a
+               boolean mask (bf16) vs the full reference path, and vs the time to read the
+               prefix K/V once at the H200's ~4.8 TB/s; the kernel's max error vs the reference
+  sweep        a few launch configs on one verify and one tree shape (for tuning the heuristics)
+  aot          the TensorRT-plugin kernel compiled to PTX with this machine's Triton
+  executor     TorchExecutor decode / verify / tree steps on random-weight 1B- and 8B-shaped
+               Llama models (bf16), with the Triton kernel and with the SDPA reference
+  pytest       the ``pytest -m gpu`` log's summary (--pytest-rc, --pytest-log)
+  summary      sections left "started" (killed at their limit) recorded as errors
 Writes JSON to --out (gpu_check.sh: $OUT/gpu_check.json, else results/gpu_check.json).
 """
 
@@ -22,6 +32,8 @@ import argparse
 import json
 import logging
 import platform
+import sys
+import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -92,6 +104,7 @@ def section_env() -> dict:
         info["tensorrt"] = tensorrt.__version__
     except ImportError:
         info["tensorrt"] = None
+    info["mpi_launch"] = mpi_launch_available()
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info.update(
@@ -309,7 +322,7 @@ def section_executor(
         executor = TorchExecutor(
             model, max_seqs=max(batches), max_seq_len=max(prefixes) + 64,
             max_batch_tokens=max(prefill_chunk, TREE_BRANCHES * max(batches)),
-            pack_linears=False,
+            pack_linears=False, logits_device=device,  # kernel vs SDPA: no logits copy in the timing
         )  # fmt: skip
         for batch in batches:
             seq_ids = list(range(batch))
@@ -347,20 +360,149 @@ def section_executor(
     return rows
 
 
-# ---------------------------------------------------------------------------------------------
+
+# --- ar / sd / ssd with both ranks on the GPU ---------------------------------------------------
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_ENGINE_DIR = REPO / "engines" / "smollm2-135m"
+SPEC_PROMPTS = (
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n",
+    "Explain in two sentences what a hash table is.",
+)
+SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                     tie_word_embeddings=True)
 
 
-def run_section(report: dict, name: str, fn, *args) -> None:
-    t0 = time.monotonic()
+def mpi_launch_available() -> dict:
+    """Whether the draft rank can be its own MPI process here (mpi4py and an mpiexec)."""
     try:
-        report[name] = fn(*args)
-    except Exception:
-        report["errors"][name] = traceback.format_exc()[-3000:]
-        log.error("section %s failed:\n%s", name, report["errors"][name])
-    report["seconds"][name] = round(time.monotonic() - t0, 1)
-    budget = next((a for a in args if isinstance(a, Budget)), None)
-    if budget is not None and budget.skipped:
-        report.setdefault("skipped_for_time", {})[name] = budget.skipped
+        from trtssd.runtime.draft_link import _mpiexec
+        from trtssd.runtime.transport import MPI
+
+        if MPI is None:
+            return {"available": False, "why": "mpi4py (or its MPI library) cannot be imported"}
+        return {"available": True, "mpiexec": _mpiexec(), "mpi": MPI.Get_library_version().splitlines()[0]}
+    except Exception as exc:  # noqa: BLE001 - reported
+        return {"available": False, "why": repr(exc)[:300]}
+
+
+def random_smollm2_pair(root: Path) -> tuple[str, str]:
+    """A SmolLM2-135M-shaped target (random weights) and a draft = target + small noise, as
+    Hugging Face directories: the engine's shapes and costs, not its text or its hit rate."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**SMOLLM2_SHAPE)
+    target = LlamaForCausalLM(cfg)
+    target.save_pretrained(root / "target")
+    with torch.no_grad():
+        for p in target.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    target.save_pretrained(root / "draft")
+    return str(root / "target"), str(root / "draft")
+
+
+def _spec_models(engine: Path, tmp: Path) -> tuple[dict, dict, list]:
+    """(LLM model keywords, what they are for the JSON, prompts)."""
+    from trtssd.config import ModelRef
+    from trtssd.models.engine_dir import is_engine_dir
+
+    if is_engine_dir(engine):
+        return {"engine": str(engine)}, {"engine": str(engine), "random_weights": False}, list(SPEC_PROMPTS)
+    target, draft = random_smollm2_pair(tmp)
+    why = f"{engine} is absent (the engine is 286 MB: too big to travel with the repo)"
+    prompts = [[1 + (7 * i + j) % 1000 for j in range(24)] for i in range(len(SPEC_PROMPTS))]
+    return ({"target": ModelRef(target), "draft": ModelRef(draft)},
+            {"engine": None, "random_weights": True, "shape": "SmolLM2-135M", "why": why}, prompts)
+
+
+def _aggregate(outs) -> dict:
+    """Counts summed over requests, then the rates (the metrics' own definitions)."""
+    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "cache_hits", "cache_misses",
+            "degraded_rounds", "plain_rounds", "num_generated_tokens")
+    total = {k: sum(o.metrics[k] for o in outs) for k in keys}
+    total["mean_acceptance_length"] = round(
+        (total["num_accepted_tokens"] + total["num_drafts"]) / total["num_drafts"], 4) if total["num_drafts"] else 0.0
+    lookups = total["cache_hits"] + total["cache_misses"]
+    total["cache_hit_rate"] = round(total["cache_hits"] / lookups, 4) if lookups else 0.0
+    return total
+
+
+def run_mode(models: dict, prompts: list, mode: str, launch: str, max_tokens: int,
+             device: str = "cuda") -> tuple[dict, list]:
+    from trtssd.llm import LLM
+    from trtssd.sampling import SamplingParams
+
+    row = {"mode": mode, "launch": launch}
+    t0 = time.perf_counter()
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    # plain_under_load off: the check is about the speculative path, which load control could skip
+    with LLM(**models, mode=mode, launch=launch, target_device=device, draft_device=device, max_batch=1,
+             max_seq_len=512, plain_under_load=False) as llm:
+        row["start_s"] = round(time.perf_counter() - t0, 2)
+        row["transport"] = None if mode == "ar" else llm.runtime.resolved_transport.value
+        if launch == "local" and mode != "ar":
+            row["transport"] = "in-process host buffers (launch=local)"
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))  # warm-up: Triton compiles
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        outs, seconds = [], 0.0
+        for prompt in prompts:  # batch 1, as the CPU benchmark
+            sync()
+            t = time.perf_counter()
+            outs.append(llm.generate([prompt], params)[0])
+            seconds += time.perf_counter() - t
+        row["draft_alive_at_end"] = llm.draft_alive if mode != "ar" else None
+    tokens = sum(len(o.token_ids) for o in outs)
+    row.update(tokens=tokens, seconds=round(seconds, 3), tok_s=round(tokens / seconds, 2), **_aggregate(outs))
+    log.info("%-3s launch=%s transport=%s: %.1f tok/s, acceptance %.2f, hit rate %.2f", mode, launch,
+             row["transport"], row["tok_s"], row["mean_acceptance_length"], row["cache_hit_rate"])
+    return row, [o.token_ids for o in outs]
+
+
+def section_speculative(budget: Budget, engine: Path, max_tokens: int = 64, device: str = "cuda") -> dict:
+    mpi = mpi_launch_available()
+    launch = "spawn" if mpi["available"] else "local"
+    result = {"device": device, "mpi": mpi, "launch": launch, "modes": {}}
+    if launch == "local":
+        result["note"] = "no MPI launch here: the draft ran in-process (launch='local'), no CUDA IPC, no overlap"
+    with tempfile.TemporaryDirectory() as tmp:
+        models, result["models"], prompts = _spec_models(engine, Path(tmp))
+        ar_tokens = None
+        for mode in ("ar", "sd", "ssd"):
+            if budget.spent():
+                result["modes"][mode] = {"skipped_for_time": True}
+                continue
+            tries = [launch] if mode == "ar" or launch == "local" else [launch, "local"]
+            for attempt in tries:
+                try:
+                    row, tokens = run_mode(models, prompts, mode, attempt, max_tokens, device)
+                except Exception:  # noqa: BLE001 - recorded; the in-process draft is tried next
+                    result["modes"].setdefault(f"{mode}_errors", []).append(
+                        {"launch": attempt, "error": traceback.format_exc()[-2500:]})
+                    log.error("%s with launch=%s failed:\n%s", mode, attempt, traceback.format_exc()[-1500:])
+                    continue
+                if mode == "ar":
+                    ar_tokens = tokens
+                elif ar_tokens is not None:
+                    row["greedy_equal_to_ar"] = tokens == ar_tokens
+                    row["first_mismatch"] = _first_mismatch(tokens, ar_tokens)
+                result["modes"][mode] = row
+                break
+    return result
+
+
+def _first_mismatch(got: list[list[int]], want: list[list[int]]) -> dict | None:
+    for i, (a, b) in enumerate(zip(got, want)):
+        for j, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return {"prompt": i, "token": j, "got": x, "ar": y}
+    return None
+
+
+# --- one section per process -----------------------------------------------------------------
 
 
 def read_pytest(log_path: Path | None, rc: int | None) -> dict:
@@ -369,35 +511,105 @@ def read_pytest(log_path: Path | None, rc: int | None) -> dict:
         lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
         result["summary"] = lines[-1] if lines else ""
         result["failures"] = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))][:50]
+        result["skipped"] = [ln for ln in lines if ln.startswith("SKIPPED")][:50]
     return result
+
+
+GPU_SECTIONS = ("speculative", "kernel", "sweep", "aot", "executor")
+
+
+def run(args: argparse.Namespace) -> object:
+    """The section's result (raises on failure)."""
+    name = args.section
+    if name == "env":
+        return section_env()
+    if name == "pytest":
+        return read_pytest(args.pytest_log, args.pytest_rc)
+    if name in GPU_SECTIONS and not torch.cuda.is_available() and args.device != "cpu":
+        raise RuntimeError("no CUDA device")
+    budget = Budget(args.budget_s)
+    result = {
+        "speculative": lambda: section_speculative(budget, args.engine, args.max_tokens, args.device),
+        "kernel": lambda: section_kernel(budget),
+        "sweep": lambda: section_sweep(budget),
+        "aot": section_aot,
+        "executor": lambda: section_executor(budget),
+    }[name]()
+    if budget.skipped:
+        return {"result": result, "skipped_for_time": budget.skipped}
+    return result
+
+
+def load_report(path: Path) -> dict:
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        report = {}
+    report.setdefault("errors", {})
+    report.setdefault("seconds", {})
+    report.setdefault("status", {})
+    return report
+
+
+def save_report(path: Path, report: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str))
+    tmp.replace(path)  # a reader never sees half a file
+
+
+def summarize(report: dict, limits: dict[str, float], expected: tuple[str, ...] = ()) -> None:
+    for name in expected:
+        if name not in report["status"]:  # killed before it could even mark itself started
+            report["status"][name] = "missing"
+            report["errors"][name] = "no result: killed at its time limit before it started, or never run"
+    for name, status in report["status"].items():
+        if status == "started":
+            report["status"][name] = "killed"
+            report["errors"][name] = f"killed at its time limit ({limits.get(name, '?')} s) before it finished"
+    log.info("pytest -m gpu: %s", report.get("pytest", {}).get("summary"))
+    log.info("sections: %s; errors in: %s", report["status"], sorted(report["errors"]) or "none")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--section", required=True, choices=("env", "pytest", *GPU_SECTIONS, "summary"))
     parser.add_argument("--out", type=Path, default=Path("results/gpu_check.json"))
+    parser.add_argument("--budget-s", type=float, default=60.0, help="this section's time for its timed items")
+    parser.add_argument("--limit-s", type=float, default=None, help="the hard limit gpu_check.sh kills it at")
     parser.add_argument("--pytest-rc", type=int, default=None)
     parser.add_argument("--pytest-log", type=Path, default=None)
-    parser.add_argument("--budget-s", type=float, default=300.0, help="time for the timed sections together")
+    parser.add_argument("--engine", type=Path, default=DEFAULT_ENGINE_DIR, help="engine for the speculative section")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt in the speculative section")
+    parser.add_argument("--expect", default="", help="summary: comma-separated sections that should have run")
+    parser.add_argument("--device", default="cuda", help="speculative section: 'cpu' to try the check itself here")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
 
-    report = {"errors": {}, "seconds": {}, "pytest": read_pytest(args.pytest_log, args.pytest_rc)}
-    run_section(report, "env", section_env)
-    if not torch.cuda.is_available():
-        report["errors"]["cuda"] = "no CUDA device: timed sections skipped"
-        log.error("no CUDA device: timed sections skipped")
-    else:
-        b = args.budget_s
-        run_section(report, "kernel", section_kernel, Budget(0.35 * b))
-        run_section(report, "sweep", section_sweep, Budget(0.2 * b))
-        run_section(report, "aot", section_aot)
-        run_section(report, "executor", section_executor, Budget(0.4 * b))
-
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    log.info("pytest -m gpu: %s", report["pytest"].get("summary", report["pytest"]))
-    log.info("sections: %s; errors in: %s", report["seconds"], sorted(report["errors"]) or "none")
-    log.info("wrote %s", args.out)
+    report = load_report(args.out)
+    if args.section == "summary":
+        summarize(report, report.get("limits", {}), tuple(n for n in args.expect.split(",") if n))
+        save_report(args.out, report)
+        return
+    report["status"][args.section] = "started"
+    report.setdefault("limits", {})[args.section] = args.limit_s
+    save_report(args.out, report)
+    t0 = time.monotonic()
+    error = None
+    try:
+        value, status = run(args), "ok"
+    except Exception:  # noqa: BLE001 - recorded; the other sections run anyway
+        value, status, error = None, "failed", traceback.format_exc()[-3000:]
+        log.error("section %s failed:\n%s", args.section, error)
+    if value is not None:
+        report[args.section] = value
+    if error is not None:
+        report["errors"][args.section] = error
+    report["status"][args.section] = status
+    report["seconds"][args.section] = round(time.monotonic() - t0, 1)
+    save_report(args.out, report)
+    if status != "ok":
+        sys.exit(1)
 
 
 if __name__ == "__main__":

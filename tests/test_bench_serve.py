@@ -85,9 +85,30 @@ class StandIn:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v2/models/{model}/generate_stream", self.generate_stream)
         if self.script.metrics:
             app.router.add_get("/metrics", self.metrics)
         return app
+
+    async def generate_stream(self, request):
+        """Triton's generate extension over the trtssd model: one event per round with the new text
+        and the running token count, a last event with the finish reason; the stream then closes."""
+        body = await request.json()
+        self.bodies.append({**body, "model": request.match_info["model"]})
+        s = self.script
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(s.ttft_s)
+        for i in range(s.chunks):
+            if i:
+                await asyncio.sleep(s.gap_s)
+            await self._send(resp, {"model_name": "trtssd", "text_output": "tok " * s.tokens_per_chunk,
+                                    "num_input_tokens": [s.prompt_tokens],
+                                    "num_output_tokens": [(i + 1) * s.tokens_per_chunk], "finish_reason": ""})
+        await self._send(resp, {"model_name": "trtssd", "text_output": "", "num_input_tokens": s.prompt_tokens,
+                                "num_output_tokens": s.chunks * s.tokens_per_chunk, "finish_reason": "length"})
+        self.served += 1
+        return resp
 
     async def models(self, request):
         return web.json_response({"object": "list", "data": [{"id": "standin", "object": "model"}]})
@@ -320,6 +341,26 @@ def test_chat_endpoint_request_rate_and_body(tmp_path):
     # Poisson arrivals at 20/s with no cap: each request goes out at its scheduled time.
     sent = sorted(r.sent_s for r in run.requests)
     assert sent == pytest.approx(arrival_offsets(5, 20.0, 1.0, 0), abs=0.05)
+
+
+def test_triton_generate_stream_backend(tmp_path):
+    server = StandIn()
+    with serving(server) as url:
+        cfg = config(tmp_path, url, [f"prompt {i}" for i in range(4)], loads=(Load(2),), backend="triton",
+                     metrics_url=url + "/metrics", ignore_eos=True)
+        report = run_serve_benchmark(cfg, "test")
+    assert report.model == "trtssd" and server.served == 5  # 4 + the warm-up
+    body = server.bodies[-1]
+    assert (body["model"], body["stream"], body["exclude_input_in_output"], body["ignore_eos"], body["max_tokens"]) \
+        == ("trtssd", True, True, True, 15) and body["text_input"].startswith("prompt")
+    s = report.runs[0].summary
+    # Tokens from num_output_tokens (15 each), not from the 5 events; the stream's close is its end.
+    assert (s["completed"], s["failed"], s["total_output_tokens"], s["total_input_tokens"]) == (4, 0, 60, 28)
+    assert s["tokens_from_usage"] is True and 95 <= s["median_ttft_ms"] <= 100 + 150
+    assert 0.10 + 4 * 0.04 - 0.01 <= s["median_e2el_ms"] / 1e3 <= 0.10 + 4 * 0.04 + 0.25
+    assert report.runs[0].spec["drafts"] == 4 * DRAFTS  # scraped from --metrics-url
+    with pytest.raises(ValueError, match="backend must be one of openai, triton"):
+        ServeConfig(backend="grpc")
 
 
 def test_cli_runs_and_compares(tmp_path, capsys):

@@ -211,7 +211,7 @@ def test_bad_input_is_refused(setup):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_executor_matches_transformers(setup):
     hf, directory = setup
-    ex = new_executor(directory, device="cuda")
+    ex = new_executor(directory, device="cuda", logits_device="cuda")  # keep the logits where they are made
     prompt, glue = rand_tokens(10, 20), rand_tokens(3, 21)
     prefill(ex, 0, prompt)
     n = len(prompt)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tiny_models import make_tiny_llama
+from tiny_models import make_tiny_llama, make_tiny_pair
 from trtssd import LLM, ModelRef, SamplingParams
 from trtssd.sampling import processed_probs
 
@@ -23,10 +23,7 @@ pytestmark = pytest.mark.mpi
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("tiny")
-    target = make_tiny_llama(root / "target", seed=0)
-    draft = make_tiny_llama(root / "draft", seed=1, base=target, noise=0.05)
-    return target, draft
+    return make_tiny_pair(tmp_path_factory.mktemp("tiny"))
 
 
 def _llm(tiny, mode: str, **kw) -> LLM:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_models import make_tiny_llama
+from tiny_models import make_tiny_pair
 from trtssd import LLM, ModelRef, SamplingParams
 from trtssd.backends.base import chain_chunk
 from trtssd.backends.torch_backend import TorchExecutor
@@ -25,10 +25,7 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10] * 12, [3, 1, 4, 1, 5, 9, 2, 6], [42]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("loop")
-    target = make_tiny_llama(root / "target", seed=0)
-    draft = make_tiny_llama(root / "draft", seed=1, base=target, noise=0.05)
-    return target, draft
+    return make_tiny_pair(tmp_path_factory.mktemp("loop"))
 
 
 def _llm(tiny, mode: str, draft: Path | None = None, **kw) -> LLM:

@@ -29,6 +29,12 @@ def make_tiny_llama(path: Path, seed: int, vocab: int = 64, hidden: int = 32, la
     return path
 
 
+def make_tiny_pair(root: Path) -> tuple[Path, Path]:
+    """The runtime tests' default pair: a tiny target and a draft that mostly agrees with it."""
+    target = make_tiny_llama(root / "target", seed=0)
+    return target, make_tiny_llama(root / "draft", seed=1, base=target, noise=0.05)
+
+
 def tiny_int4_pair(cfg, top_k: int = 0, seed: int = 0, **executor_options):
     """(int4 executor, fp32 executor) over identical random weights of config ``cfg``: the fp32
     model holds exactly the dequantized 4-bit groups, so only the int4 path's arithmetic differs.

@@ -19,7 +19,7 @@ def _generate(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
         seed=args.seed, stop=tuple(args.stop or ()),
     )
-    options = dict(mode=args.mode, k=args.k, launch=args.launch, max_seq_len=args.max_seq_len)
+    options = dict(mode=args.mode, k=args.k, launch=args.launch, max_seq_len=args.max_seq_len, **_device_options(args))
     if args.fanout != "auto":
         options["fanout"] = tuple(int(x) for x in args.fanout.split(","))
     if args.backup:
@@ -55,6 +55,7 @@ def _llm_options(args: argparse.Namespace) -> dict:
              "max_batch", "max_seq_len", "target_threads", "draft_threads", "target_cores", "draft_cores",
              "poll_interval_s")
     options = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    options.update(_device_options(args))
     if options.get("fanout") == "auto":
         del options["fanout"]
     elif "fanout" in options:
@@ -63,6 +64,24 @@ def _llm_options(args: argparse.Namespace) -> dict:
         if name in options:
             options[name] = _ints(options[name], f"--{name.replace('_', '-')}")
     return options
+
+
+DEVICE_OPTIONS = ("target_device", "draft_device", "transport")
+
+
+def _device_options(args: argparse.Namespace) -> dict:
+    """--target-device, --draft-device, --transport as LLM options (only those given)."""
+    return {name: getattr(args, name) for name in DEVICE_OPTIONS if getattr(args, name) is not None}
+
+
+def _add_device_options(p: argparse.ArgumentParser) -> None:
+    """Where each rank runs; values are checked by RuntimeConfig (trtssd/config.py), so a bad one
+    is a usage error naming the option. CUDA: unverified, never run on a GPU."""
+    p.add_argument("--target-device", default=None, help="'cpu' (default), 'cuda' or 'cuda:N': the target's weights, "
+                   "KV pool and forwards")
+    p.add_argument("--draft-device", default=None, help="'cpu' (default), 'cuda' or 'cuda:N' for the draft rank")
+    p.add_argument("--transport", default=None, help="'auto' (default: cuda_ipc when the draft is on CUDA), 'host' "
+                   "or 'cuda_ipc': how the draft's rows reach the target")
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -113,6 +132,7 @@ def _add_llm_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-cores", default=None, help="comma-separated CPU cores for the target")
     p.add_argument("--draft-cores", default=None, help="comma-separated CPU cores for the draft")
     p.add_argument("--poll-interval-s", type=float, default=None, help="idle poll sleep of the ranks")
+    _add_device_options(p)
 
 
 def _add_serve_parser(sub) -> None:
@@ -181,6 +201,14 @@ def _build(args: argparse.Namespace) -> int:
 
     if args.target is not None and args.engine is not None:
         raise ValueError("give a named engine or --target, not both")
+    if args.backend == "trtllm":
+        from trtssd.trtllm.build_commands import build_trtllm
+
+        if args.target is not None:
+            raise ValueError("--backend trtllm builds a named or already built engine, not --target")
+        result = build_trtllm(args.engine or DEFAULT_ENGINE, args.out, k=args.k)
+        sys.stdout.write(f"{result.script}\n")
+        return 0
     try:
         path = build_engine(
             args.target or args.engine or DEFAULT_ENGINE, args.out, draft=args.draft, name=args.name,
@@ -214,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--launch", choices=["spawn", "world"], default="spawn",
                    help="spawn: the draft is started as its own MPI job; world: under mpiexec -n 2")
     g.add_argument("--json", action="store_true", help="print text, token ids and metrics as JSON")
+    _add_device_options(g)
     g.set_defaults(func=_generate)
 
     _add_serve_parser(sub)
@@ -234,6 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp32 linears without their plain copy: half the memory, single rows through oneDNN too")
     b.add_argument("--force", action="store_true", help="rebuild even when up to date")
     b.add_argument("--out", default=None, help="engines directory (default: ./engines)")
+    b.add_argument("--backend", choices=["torch", "trtllm"], default="torch",
+                   help="trtllm: TensorRT-LLM 1.2.x engines in <out>/<name>.trtllm/ from the torch engine's models "
+                   "(commands written to build.sh there, run when tensorrt_llm is importable; unverified)")
+    b.add_argument("--k", type=int, default=None, help="with --backend trtllm: the target's --max_draft_len "
+                   "(default: the lookahead, 5)")
     b.set_defaults(func=_build)
     return parser
 

@@ -32,6 +32,27 @@ class Source(str, enum.Enum):
     SD = "sd"  # plain speculative decoding: drafted after the outcome was known (no cache)
 
 
+class Transport(str, enum.Enum):
+    """How the draft's proposal rows reach the target (trtssd/runtime/transport.py)."""
+
+    AUTO = "auto"  # cuda_ipc when the draft runs on CUDA, else host
+    HOST = "host"  # shared host memory (POSIX shared memory or an MPI-3 window)
+    CUDA_IPC = "cuda_ipc"  # a device buffer on the draft's GPU, mapped by the target through CUDA IPC
+
+
+def check_device(value: object, field_name: str) -> str:
+    """A device name as a string ("cpu", "cuda", "cuda:N"), checked for form only: whether CUDA
+    is present is asked when the device is used (trtssd/devices.py), so a configuration can be
+    written on a machine without the GPU it names (a Triton repository for a GPU host)."""
+    if isinstance(value, str):
+        if value in ("cpu", "cuda"):
+            return value
+        head, _, index = value.partition(":")
+        if head == "cuda" and index.isdigit() and str(int(index)) == index:
+            return value
+    raise ValueError(f"{field_name} must be 'cpu', 'cuda' or 'cuda:N' (N a device index); got {value!r}")
+
+
 def _choice(enum_cls, value, field_name: str):
     try:
         return enum_cls(value)
@@ -103,8 +124,17 @@ class RuntimeConfig:
     target_cores: Sequence[int] | None = None  # CPU cores to pin the target to; None = core 0 when >1 core
     draft_cores: Sequence[int] | None = None  # CPU cores to pin the draft to; None = the last core
     poll_interval_s: float = 0.0002  # an idle rank sleeps this long between polls instead of spinning
+    target_device: str = "cpu"  # where the target's weights, KV pool and forwards live: "cpu", "cuda", "cuda:N"
+    draft_device: str = "cpu"  # the same for the draft rank (on one GPU both ranks may share it)
+    transport: Transport = Transport.AUTO  # how proposal rows reach the target; auto follows draft_device
 
     def __post_init__(self) -> None:
+        for name in ("target_device", "draft_device"):
+            object.__setattr__(self, name, check_device(getattr(self, name), name))
+        object.__setattr__(self, "transport", _choice(Transport, self.transport, "transport"))
+        if self.transport is Transport.CUDA_IPC and not self.draft_device.startswith("cuda"):
+            raise ValueError(f"transport 'cuda_ipc' needs draft_device 'cuda' or 'cuda:N' (the buffer lives on the "
+                             f"draft's GPU); got draft_device {self.draft_device!r}")
         for name in ("max_batch", "max_seq_len", "target_threads", "draft_threads"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -115,6 +145,13 @@ class RuntimeConfig:
             v = getattr(self, name)
             if v is not None:
                 object.__setattr__(self, name, tuple(int(c) for c in v))
+
+    @property
+    def resolved_transport(self) -> Transport:
+        """The transport in use: "auto" made concrete (CUDA IPC exactly when the draft is on CUDA)."""
+        if self.transport is not Transport.AUTO:
+            return self.transport
+        return Transport.CUDA_IPC if self.draft_device.startswith("cuda") else Transport.HOST
 
 
 @dataclass(frozen=True)

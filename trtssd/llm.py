@@ -12,17 +12,17 @@ import logging
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from mpi4py import MPI
-
 from trtssd.backends.loading import load_executor
 from trtssd.build import resolve_models
 from trtssd.config import Mode, ModelRef, RuntimeConfig, SpeculativeConfig, batch_tokens
+from trtssd.devices import resolve_device
 from trtssd.models.tokenizer import chat_prompt_ids, encode_text, load_tokenizer
 from trtssd.runtime.affinity import pin, restore, split_cores
 from trtssd.runtime.draft_client import DraftClient, LocalDraft
 from trtssd.runtime.draft_link import DraftLink
 from trtssd.runtime.draft_server import load_worker
 from trtssd.runtime.target_loop import TargetLoop
+from trtssd.runtime.transport import require_mpi
 from trtssd.runtime.metrics import SpecMetrics
 from trtssd.sampling import SamplingParams
 
@@ -51,9 +51,11 @@ class LLM:
     launch:  "spawn" starts the draft as its own MPI job (the default; survives a dying draft);
              "world" uses the last rank of an ``mpiexec -n 2`` job as the draft; "local" runs the
              draft in this process, after each answer instead of during verification (same
-             tokens, no overlap: for debugging and tests, never for speed).
+             tokens, no overlap: for debugging and tests, never for speed; needs no mpi4py).
     Every other keyword goes to SpeculativeConfig (mode, k, fanout, fanout_budget, saguaro_c, backup,
-    draft_timeout_s) or RuntimeConfig (max_batch, max_seq_len, *_threads, *_cores).
+    draft_timeout_s) or RuntimeConfig (max_batch, max_seq_len, *_threads, *_cores, target_device,
+    draft_device, transport). target_device / draft_device: "cpu" (default), "cuda" or "cuda:N";
+    each rank loads its model there (CUDA: unverified, never run on a GPU).
     """
 
     def __init__(self, engine: str | None = None, *, target: ModelRef | None = None,
@@ -71,6 +73,8 @@ class LLM:
             cores = split_cores(runtime.target_threads, runtime.draft_threads)
             runtime = dataclasses.replace(runtime, target_cores=cores[0], draft_cores=cores[1])
         self.runtime = runtime
+        for name in ("target_device", "draft_device"):  # fail before anything starts, naming the option
+            resolve_device(getattr(runtime, name), name)
         target, draft = resolve_models(engine, target, draft)
         self._closed = True  # until everything below has started
         self._previous_affinity = pin("target", self.runtime.target_cores, self.runtime.target_threads)
@@ -86,7 +90,8 @@ class LLM:
         target_len = self.runtime.max_seq_len + self.spec.k + 1
         draft_len = target_len + self.spec.k * self.spec.budget
         executor = load_executor(target, max_seqs=self.runtime.max_batch, max_seq_len=target_len,
-                                 max_batch_tokens=batch_tokens(self.spec, self.runtime))
+                                 max_batch_tokens=batch_tokens(self.spec, self.runtime),
+                                 device=self.runtime.target_device, device_field="target_device")
         self.tokenizer = load_tokenizer(target.path)
         link = None
         if self.spec.mode is not Mode.AR:
@@ -100,7 +105,7 @@ class LLM:
                 raise ValueError(f"draft vocab_size {worker.executor.vocab_size} != target vocab_size {vocab_size}")
             return LocalDraft(worker, self.runtime.max_batch)
         if launch == "world":
-            world = MPI.COMM_WORLD
+            world = require_mpi("launch='world'").COMM_WORLD
             if world.Get_size() < 2:
                 raise RuntimeError("launch='world' needs mpiexec -n 2 (the last rank is the draft)")
             return DraftLink.from_world(world, draft, self.spec, self.runtime, vocab_size, draft_len)

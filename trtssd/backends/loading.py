@@ -12,6 +12,7 @@ import torch
 
 from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.config import ModelRef
+from trtssd.devices import resolve_device
 from trtssd.models.engine_dir import is_engine_dir, load_draft_model, load_manifest
 from trtssd.models.tokenizer import load_tokenizer
 
@@ -20,23 +21,29 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def load_executor(ref: ModelRef, max_seqs: int, max_seq_len: int, max_batch_tokens: int | None = None) -> TorchExecutor:
-    """max_batch_tokens: most tokens in one forward (a prefill, or a batch's verify/glue/tree)."""
+def load_executor(ref: ModelRef, max_seqs: int, max_seq_len: int, max_batch_tokens: int | None = None,
+                  device: str = "cpu", device_field: str = "device") -> TorchExecutor:
+    """max_batch_tokens: most tokens in one forward (a prefill, or a batch's verify/glue/tree).
+    device: "cpu", "cuda" or "cuda:N" (weights, KV pool and forwards there); ``device_field``
+    names the option it came from in errors (e.g. "draft_device")."""
+    dev = resolve_device(device, device_field)
     if is_engine_dir(ref.path):
         return load_side(ref.path, ref.side, max_seqs=max_seqs, max_seq_len=max_seq_len,
-                         max_batch_tokens=max_batch_tokens)
+                         max_batch_tokens=max_batch_tokens, device=dev)
     return TorchExecutor.from_pretrained(ref.path, dtype=_DTYPES[ref.dtype], max_seqs=max_seqs,
-                                         max_seq_len=max_seq_len, max_batch_tokens=max_batch_tokens)
+                                         max_seq_len=max_seq_len, max_batch_tokens=max_batch_tokens, device=dev)
 
 
 # --- engine directories --------------------------------------------------------------------------
 
 
 def load_side(engine_dir: str | os.PathLike, side: str, *, max_seqs: int = 4, max_seq_len: int = 2048,
-              fused: bool = True, **executor_options) -> TorchExecutor:
+              fused: bool = True, device: str | torch.device = "cpu", **executor_options) -> TorchExecutor:
     """One side's executor, as the engine's manifest says it runs: "torch" (the model's own
     weights in the recorded dtype; the target always) or "torch-int4" (the int4 self-draft, with
-    the compiled few-row layers unless ``fused`` is False)."""
+    the compiled few-row layers unless ``fused`` is False; on CUDA its 4-bit groups dequantized,
+    see ``load_draft_model``). ``device``: where weights, KV pool and forwards live."""
+    device = resolve_device(device, "device")
     engine_dir = Path(engine_dir)
     manifest = load_manifest(engine_dir)
     if side not in ("target", "draft"):
@@ -46,10 +53,11 @@ def load_side(engine_dir: str | os.PathLike, side: str, *, max_seqs: int = 4, ma
         return TorchExecutor.from_pretrained(
             engine_dir / entry["path"], dtype=_DTYPES[entry.get("dtype", "float32")],
             plain_weights=entry.get("plain_weights", True), max_seqs=max_seqs, max_seq_len=max_seq_len,
-            **executor_options,
+            device=device, **executor_options,
         )
     if entry["backend"] == "torch-int4" and side == "draft":
-        model = load_draft_model(engine_dir, manifest, fused=fused)
+        # The compiled few-row layers are CPU code: a CUDA draft runs the plain layers.
+        model = load_draft_model(engine_dir, manifest, fused=fused and device.type == "cpu", device=device)
         return TorchExecutor(model, max_seqs=max_seqs, max_seq_len=max_seq_len, **executor_options)
     raise ValueError(f"{engine_dir}: unknown {side} backend {entry['backend']!r}; rebuild the engine")
 

@@ -4,7 +4,9 @@ Memory is planned once, at start-up: weights, a preallocated KV pool of ``max_se
 ``max_seq_len`` slots, and scratch for the largest forward (``max_batch_tokens`` tokens of one
 sequence). A request that does not fit raises ``CapacityError``; nothing is allocated per
 sequence afterwards. Works on CPU (fp32 or bf16; linears packed for oneDNN) and on CUDA
-(plain torch ops; unverified here, no GPU).
+(plain torch ops, the Triton tree-attention kernel; unverified: never run on a GPU). The KV pool
+and scratch live on the model's device; logits come back to ``logits_device`` (the host by
+default: the runtime's sampling, verification and Saguaro math runs there).
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ class TorchExecutor:
         memory_budget_bytes: int | None = None,
         pack_linears: bool = True,
         plain_weights: bool = True,
+        logits_device: str | torch.device = "cpu",
     ):
         """model: loaded, in its final dtype and device. max_seqs: KV pool rows (concurrent
         sequences). max_seq_len: slots per row (prompt + output + region). max_batch_tokens: most
@@ -129,7 +132,12 @@ class TorchExecutor:
         limit (default: the weights plus the device's free memory now). pack_linears: add oneDNN
         layouts to ``Linear`` weights on CPU (faster multi-row steps; bf16 then drops the plain
         weights, so the model becomes inference-only). plain_weights: with pack_linears, keep the
-        plain fp32 weights too (MKL's GEMV for single rows); False halves the linears' memory."""
+        plain fp32 weights too (MKL's GEMV for single rows); False halves the linears' memory.
+        logits_device: where ``forward`` returns logits. The host by default, because the
+        runtime's per-row math (sampling with seeded CPU generators, verification, Saguaro) runs
+        there: a CUDA model then pays one [rows, V] copy per forward, which also makes the
+        forward's time measurable without a separate sync. Pass the model's device to keep them
+        there (GPU tests, kernel timings)."""
         if model.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"model dtype must be one of {SUPPORTED_DTYPES}, got {model.dtype}")
         for name, value in (("max_seqs", max_seqs), ("max_seq_len", max_seq_len)):
@@ -149,6 +157,7 @@ class TorchExecutor:
         self.max_batch_tokens = max_batch_tokens
         self.device = model.device
         self.dtype = model.dtype
+        self.logits_device = torch.device(logits_device)
         if pack_linears:
             model.pack_linears(keep_plain=plain_weights)
         weights = _module_weight_bytes(model)
@@ -181,10 +190,12 @@ class TorchExecutor:
         max_batch_tokens: int | None = None,
         memory_budget_bytes: int | None = None,
         plain_weights: bool = True,
+        logits_device: str | torch.device = "cpu",
     ) -> "TorchExecutor":
         """Load a Hugging Face directory or a GGUF file (see trtssd.models.loader). The KV pool
         and scratch are checked against the budget before the weights are read. plain_weights:
-        see ``__init__``."""
+        see ``__init__``. device: where the weights are loaded to (each tensor straight from the
+        file to the device) and where the KV pool is allocated."""
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
         device = torch.device(device)
@@ -200,10 +211,10 @@ class TorchExecutor:
                     f"KV pool and scratch alone ({_gib(fixed)}) exceed the memory budget {_gib(memory_budget_bytes)}"
                 )
 
-        model = load_model(path, dtype, before_weights=check_fixed_memory).to(device)
+        model = load_model(path, dtype, before_weights=check_fixed_memory, device=device)
         return cls(
             model, max_seqs=max_seqs, max_seq_len=max_seq_len, max_batch_tokens=max_batch_tokens,
-            memory_budget_bytes=memory_budget_bytes, plain_weights=plain_weights,
+            memory_budget_bytes=memory_budget_bytes, plain_weights=plain_weights, logits_device=logits_device,
         )
 
     @staticmethod
@@ -348,7 +359,7 @@ class TorchExecutor:
                 pick = [torch.arange(e - n, e) if not c.last_logits_only else (e - 1).view(1)
                         for c, n, e in zip(chunks, lens, ends)]
                 hidden = hidden.index_select(0, torch.cat(pick).to(dev))
-            logits = self.model.logits(hidden).float()
+            logits = self.model.logits(hidden).float().to(self.logits_device)
         for seq, (_, end) in zip(seqs, checked):
             seq.written = max(seq.written, end)
         sizes = [1 if c.last_logits_only else n for c, n in zip(chunks, lens)]

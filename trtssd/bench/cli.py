@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--shared-cores", action="store_true",
                    help="trtssd ranks each use every core (threads = cores) instead of one core each")
+    p.add_argument("--target-device", default="cpu", help="trtssd target rank: 'cpu', 'cuda' or 'cuda:N' "
+                   "(CUDA: unverified)")
+    p.add_argument("--draft-device", default="cpu", help="trtssd draft rank: 'cpu', 'cuda' or 'cuda:N'")
     p.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
     p.add_argument("--log-level", default="WARNING")
     return p
@@ -89,7 +92,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         ks=args.k, budgets=args.budget, backup=args.backup, ignore_eos=not args.allow_eos, seed=args.seed,
         warmup=not args.no_warmup, peer_threads=args.peer_threads, shared_cores=args.shared_cores, hf_target=args.hf_target, hf_draft=args.hf_draft,
         calibrate=not args.no_calibrate, handshake_s=args.handshake_s, out_dir=Path(args.out),
-        plots=not args.no_plots, **preset)
+        plots=not args.no_plots, target_device=args.target_device, draft_device=args.draft_device, **preset)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 from trtssd.build import resolve_models
 from trtssd.bench.prompts import BUILTIN_SETS
 from trtssd.bench.records import RunKey
-from trtssd.config import ModelRef
+from trtssd.config import ModelRef, check_device
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,8 @@ class BenchConfig:
     handshake_s: float | None = None  # plan: fixed handshake instead of the one inferred from sd runs
     out_dir: Path = Path("bench-out")
     plots: bool = True
+    target_device: str = "cpu"  # the trtssd systems' target rank: "cpu", "cuda", "cuda:N" (CUDA: unverified)
+    draft_device: str = "cpu"  # and their draft rank (the transformers peers and calibration stay on the CPU)
 
     def __post_init__(self) -> None:
         bad = [s for s in self.systems if s not in ALL_SYSTEMS]
@@ -63,6 +65,8 @@ class BenchConfig:
             raise ValueError("max_tokens, prompts_per_set and peer_threads must be >= 1")
         if self.backup not in ("auto", "neural", "fast"):
             raise ValueError(f"backup must be 'auto', 'neural' or 'fast'; got {self.backup!r}")
+        for name in ("target_device", "draft_device"):
+            check_device(getattr(self, name), name)
 
     def model_refs(self):
         """(target, draft) ModelRefs exactly as the LLM resolves them."""

@@ -23,7 +23,8 @@ class TrtssdRunner:
         from trtssd.config import ModelRef
         from trtssd.llm import LLM
 
-        options = dict(mode=mode, max_batch=max(cfg.batch_sizes), max_seq_len=max_seq_len)
+        options = dict(mode=mode, max_batch=max(cfg.batch_sizes), max_seq_len=max_seq_len,
+                       target_device=cfg.target_device, draft_device=cfg.draft_device)
         if cfg.shared_cores:  # e.g. "sd given both cores": each rank runs on all of them in turn
             cores = tuple(sorted(os.sched_getaffinity(0)))
             options.update(target_threads=len(cores), draft_threads=len(cores), target_cores=cores, draft_cores=cores)

@@ -1,10 +1,12 @@
-"""`trtssd bench serve`: load-test a running OpenAI-compatible server over HTTP, as `vllm bench serve` does.
+"""`trtssd bench serve`: load-test a running OpenAI-compatible server (or Triton's generate_stream) over HTTP, as `vllm bench serve` does.
 
     trtssd serve --mode ssd --port 8000 &                      # any OpenAI-compatible server will do
     trtssd bench serve --base-url http://127.0.0.1:8000 --concurrency 1,2,4,8,16 --num-prompts 64 \\
         --max-tokens 128 --ignore-eos --label ssd --out serve-ssd
     trtssd bench serve --request-rate 2 --num-prompts 100 --out serve-rate      # Poisson arrivals
     trtssd bench serve --compare serve-ar serve-ssd --out serve-cmp             # side by side
+    trtssd bench serve --backend triton --base-url http://127.0.0.1:8000 \
+        --metrics-url http://127.0.0.1:8002/metrics --out serve-triton        # Triton's generate_stream
 
 Each request streams (``stream: true`` with ``stream_options.include_usage``) and is timed on the
 client: TTFT = send to the first chunk with content, ITL = the gaps between content chunks,
@@ -14,6 +16,11 @@ chunk, so counting chunks would undercount its throughput by about the acceptanc
 Speculative acceptance and the SSD cache hit rate are the difference of the server's ``/metrics``
 counters before and after each run. HTTP errors, disconnects and truncated streams count as failed
 requests; only an unreachable server (the warm-up request fails) stops the benchmark.
+
+With ``--backend triton`` the requests go to Triton's ``/v2/models/<model>/generate_stream`` (the
+body `vllm bench serve --backend tensorrt-llm` sends, with ``exclude_input_in_output``); the stream
+ends when the server closes it, and output tokens come from each event's ``num_output_tokens``
+(the trtssd model's running count). Triton serves metrics on its own port: ``--metrics-url``.
 
 Writes results.json, results.md and serve.png (throughput and latency vs load) to ``--out``;
 ``--compare`` writes compare.json, compare.md and compare.png. Tables and plots: serve_report.py.
@@ -47,6 +54,8 @@ from trtssd.bench.report import machine_info
 log = logging.getLogger(__name__)
 
 DEFAULT_CONCURRENCIES = (1, 2, 4, 8, 16)
+BACKENDS = ("openai", "triton")
+TRITON_MODEL = "trtssd"  # the model name `trtssd triton-repo` writes
 
 
 class ServeBenchError(RuntimeError):
@@ -73,8 +82,10 @@ class Load:
 @dataclass(frozen=True)
 class ServeConfig:
     base_url: str = "http://127.0.0.1:8000"
-    endpoint: str = "/v1/completions"  # or /v1/chat/completions
-    model: str | None = None  # None: the first id of GET /v1/models
+    endpoint: str = "/v1/completions"  # or /v1/chat/completions; ignored by the triton backend
+    model: str | None = None  # None: the first id of GET /v1/models (triton: "trtssd")
+    backend: str = "openai"  # or "triton": Triton's generate_stream
+    metrics_url: str | None = None  # None: base_url + /metrics
     api_key: str | None = None
     datasets: tuple[str, ...] = BUILTIN_SETS
     num_prompts: int = 64
@@ -92,13 +103,29 @@ class ServeConfig:
     out_dir: Path = Path("bench-serve-out")
     plots: bool = True
 
-    @property
-    def chat(self) -> bool:
-        return self.endpoint.rstrip("/").endswith("chat/completions")
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
 
     @property
-    def url(self) -> str:
+    def api(self) -> str:
+        """The stream's shape: "triton", "chat" or "completions"."""
+        if self.backend == "triton":
+            return "triton"
+        return "chat" if self.endpoint.rstrip("/").endswith("chat/completions") else "completions"
+
+    @property
+    def chat(self) -> bool:
+        return self.api == "chat"
+
+    def url(self, model: str) -> str:
+        if self.backend == "triton":
+            return f"{self.base_url.rstrip('/')}/v2/models/{model}/generate_stream"
         return self.base_url.rstrip("/") + "/" + self.endpoint.lstrip("/")
+
+    @property
+    def scrape_url(self) -> str:
+        return self.metrics_url or self.base_url.rstrip("/") + "/metrics"
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -137,6 +164,8 @@ def build_requests(cfg: ServeConfig, model: str) -> list[Request]:
 
 
 def request_body(item: PromptItem, cfg: ServeConfig, model: str) -> dict:
+    if cfg.backend == "triton":
+        return triton_body(item, cfg)
     body: dict = {"model": model, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "stream": True,
                   "stream_options": {"include_usage": True}}
     if cfg.ignore_eos:
@@ -148,6 +177,18 @@ def request_body(item: PromptItem, cfg: ServeConfig, model: str) -> dict:
     else:
         # Text goes raw (the server applies no chat template on /v1/completions); ids as OpenAI's int list.
         body["prompt"] = item.text if item.text is not None else list(item.token_ids or ())
+    body.update(cfg.extra_body)
+    return body
+
+
+def triton_body(item: PromptItem, cfg: ServeConfig) -> dict:
+    """The generate_stream body of `vllm bench serve --backend tensorrt-llm`, returning new text only."""
+    if item.text is None:
+        raise ValueError(f"prompt {item.id!r} is token ids; Triton's text_input needs text")
+    body = {"text_input": item.text, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "stream": True,
+            "exclude_input_in_output": True}
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
     body.update(cfg.extra_body)
     return body
 
@@ -232,7 +273,7 @@ class SSEDecoder:
         return events
 
 
-async def send_request(session, url: str, req: Request, headers: dict, chat: bool) -> RequestResult:
+async def send_request(session, url: str, req: Request, headers: dict, api: str) -> RequestResult:
     """POST one streaming request and time it; every failure ends up in `error`, never raised."""
     import aiohttp
 
@@ -243,14 +284,15 @@ async def send_request(session, url: str, req: Request, headers: dict, chat: boo
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {_error_message(await resp.text())}"
                 return result
-            await _read_stream(resp, result, start, chat)
+            await _read_stream(resp, result, start, api)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as err:  # ValueError: bad JSON or UTF-8
         result.error = f"{type(err).__name__}: {err}"[:300]
     return result
 
 
-async def _read_stream(resp, result: RequestResult, start: float, chat: bool) -> None:
+async def _read_stream(resp, result: RequestResult, start: float, api: str) -> None:
     decoder = SSEDecoder()
+    now = 0.0
     async for chunk in resp.content.iter_any():
         now = time.perf_counter() - start  # every event in this read arrived now
         for data in decoder.feed(chunk):
@@ -259,10 +301,17 @@ async def _read_stream(resp, result: RequestResult, start: float, chat: bool) ->
                 _settle_token_count(result)
                 return
             event = json.loads(data)
-            if "error" in event:  # an error after the 200 arrives as an event (vLLM does this)
+            if "error" in event:  # an error after the 200 arrives as an event (vLLM and Triton do this)
                 result.error = f"stream error: {_error_message(json.dumps(event))}"
                 return
-            _apply_event(event, result, now, chat)
+            if api == "triton":
+                _apply_triton_event(event, result, now)
+            else:
+                _apply_event(event, result, now, api == "chat")
+    if api == "triton":  # Triton ends a decoupled stream by closing it, after the final response
+        result.e2e_s = now
+        _settle_token_count(result)
+        return
     result.error = "stream ended before data: [DONE]"
 
 
@@ -280,6 +329,21 @@ def _apply_event(event: dict, result: RequestResult, now: float, chat: bool) -> 
         text = (delta.get("content") or delta.get("reasoning_content")) if chat else delta.get("text")
         if text:
             result.content_times_s.append(now)
+
+
+def _apply_triton_event(event: dict, result: RequestResult, now: float) -> None:
+    if event.get("text_output"):
+        result.content_times_s.append(now)
+    if event.get("num_output_tokens") is not None:  # the running count of generated tokens
+        result.output_tokens = int(_scalar(event["num_output_tokens"]))
+        result.tokens_from_usage = True
+    if event.get("num_input_tokens") is not None:
+        result.prompt_tokens = int(_scalar(event["num_input_tokens"]))
+
+
+def _scalar(value):
+    """Triton's generate extension writes a one-element output as a value or as a one-element list."""
+    return value[0] if isinstance(value, list) else value
 
 
 def _settle_token_count(result: RequestResult) -> None:
@@ -381,12 +445,12 @@ def spec_summary(before: dict | None, after: dict | None) -> dict | None:
     return out
 
 
-async def scrape_metrics(session, base_url: str, headers: dict) -> dict | None:
+async def scrape_metrics(session, url: str, headers: dict) -> dict | None:
     """The server's counters now, or None when it has no usable /metrics (then the report says "-")."""
     import aiohttp
 
     try:
-        async with session.get(base_url.rstrip("/") + "/metrics", headers=headers) as resp:
+        async with session.get(url, headers=headers) as resp:
             if resp.status != 200:
                 return None
             return server_counters(parse_prometheus(await resp.text()))
@@ -491,13 +555,14 @@ async def _run_all(cfg: ServeConfig, command: str) -> ServeReport:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=cfg.timeout_s)
     # limit=0: the sweep's semaphore, not the connection pool, caps the requests in flight.
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        model = cfg.model or await _first_model(session, cfg.base_url, headers)
+        model = cfg.model or (TRITON_MODEL if cfg.backend == "triton" else
+                              await _first_model(session, cfg.base_url, headers))
         requests = build_requests(cfg, model)
         report = ServeReport(cfg.label or model, command, model, cfg, machine_info(), loadavg())
         if cfg.warmup:
-            await _warm_up(session, cfg, requests[0], headers)
+            await _warm_up(session, cfg, model, requests[0], headers)
         for load in cfg.loads:
-            report.runs.append(await _run_load(session, cfg, load, requests, headers))
+            report.runs.append(await _run_load(session, cfg, model, load, requests, headers))
         report.loadavg_end = loadavg()
     return report
 
@@ -517,16 +582,19 @@ async def _first_model(session, base_url: str, headers: dict) -> str:
     return models[0]
 
 
-async def _warm_up(session, cfg: ServeConfig, req: Request, headers: dict) -> None:
+async def _warm_up(session, cfg: ServeConfig, model: str, req: Request, headers: dict) -> None:
     """One request before measuring, as vLLM does: fails the benchmark early if the server cannot serve."""
-    result = await send_request(session, cfg.url, req, headers, cfg.chat)
+    url = cfg.url(model)
+    result = await send_request(session, url, req, headers, cfg.api)
     if not result.ok:
-        raise ServeBenchError(f"warm-up request to {cfg.url} failed: {result.error or 'no content streamed'}")
+        raise ServeBenchError(f"warm-up request to {url} failed: {result.error or 'no content streamed'}")
 
 
-async def _run_load(session, cfg: ServeConfig, load: Load, requests: list[Request], headers: dict) -> LoadResult:
+async def _run_load(session, cfg: ServeConfig, model: str, load: Load, requests: list[Request],
+                    headers: dict) -> LoadResult:
     avg_start = loadavg()
-    before = await scrape_metrics(session, cfg.base_url, headers)
+    url = cfg.url(model)
+    before = await scrape_metrics(session, cfg.scrape_url, headers)
     offsets = arrival_offsets(len(requests), load.request_rate, cfg.burstiness, cfg.seed)
     cap = asyncio.Semaphore(load.concurrency) if load.concurrency else contextlib.nullcontext()
     start = time.perf_counter()
@@ -535,13 +603,13 @@ async def _run_load(session, cfg: ServeConfig, load: Load, requests: list[Reques
         await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
         async with cap:  # a request that arrived waits here for a free slot, as with vLLM's --max-concurrency
             sent = time.perf_counter() - start
-            result = await send_request(session, cfg.url, req, headers, cfg.chat)
+            result = await send_request(session, url, req, headers, cfg.api)
         result.sent_s = sent
         return result
 
     results = list(await asyncio.gather(*(client(r, o) for r, o in zip(requests, offsets))))
     duration = time.perf_counter() - start
-    after = await scrape_metrics(session, cfg.base_url, headers)
+    after = await scrape_metrics(session, cfg.scrape_url, headers)
     run = LoadResult(load, summarize_run(results, duration, cfg.percentiles), spec_summary(before, after),
                      avg_start, loadavg(), results)
     s = run.summary
@@ -602,6 +670,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:3]))
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server address (default %(default)s)")
+    p.add_argument("--backend", choices=BACKENDS, default="openai",
+                   help="openai: /v1/completions or /v1/chat/completions; triton: /v2/models/<model>/generate_stream")
+    p.add_argument("--metrics-url", default=None,
+                   help="Prometheus metrics (default BASE_URL/metrics; Triton's are on its metrics port, e.g. "
+                        "http://127.0.0.1:8002/metrics)")
     p.add_argument("--endpoint", default="/v1/completions",
                    help="/v1/completions (prompts as text) or /v1/chat/completions (prompts as a user message)")
     p.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
@@ -643,7 +716,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     concurrencies = args.concurrency or (DEFAULT_CONCURRENCIES if args.request_rate is None else (None,))
     datasets = tuple(x.strip() for x in args.datasets.split(",") if x.strip())
     return ServeConfig(
-        base_url=args.base_url, endpoint=args.endpoint, model=args.model, api_key=args.api_key, datasets=datasets,
+        base_url=args.base_url, endpoint=args.endpoint, model=args.model, backend=args.backend,
+        metrics_url=args.metrics_url, api_key=args.api_key, datasets=datasets,
         num_prompts=args.num_prompts, max_tokens=args.max_tokens, temperature=args.temperature,
         ignore_eos=args.ignore_eos, seed=args.seed, loads=tuple(Load(c, r) for r in rates for c in concurrencies),
         burstiness=args.burstiness, percentiles=tuple(args.percentiles), timeout_s=args.timeout_s,

@@ -82,6 +82,7 @@ class NamedEngine:
     description: str
     target: Fetch  # the target's GGUF
     draft: Fetch | None = None  # the draft's GGUF; None: the target's weights as the int4 self-draft
+    family: str = "llama"  # architecture family ("llama", "qwen2"): picks TensorRT-LLM's checkpoint converter
     target_dtype: str = "float32"
     draft_dtype: str = "int4"  # "int4" (self-draft only), or the draft's torch dtype
     # fp32 linears keep their plain weights (MKL's GEMV for single rows) next to oneDNN's packed
@@ -110,6 +111,7 @@ NAMED_ENGINES = {
             "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M) in fp32, drafted by Qwen2.5-Coder-0.5B-Instruct in fp32",
             target=_split(QWEN_CODER_1_5B),
             draft=_split(QWEN_CODER_0_5B),
+            family="qwen2",
             draft_dtype="float32",
             plain_weights=False,
         ),

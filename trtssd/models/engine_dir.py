@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+import torch
 from safetensors.torch import load_file
 
 from trtssd.kernels.int4_draft import FusedInt4Layers
@@ -48,10 +49,15 @@ def load_manifest(engine_dir: str | os.PathLike) -> dict:
 
 
 def load_draft_model(engine_dir: str | os.PathLike, manifest: Mapping[str, Any] | None = None, *,
-                     fused: bool = True) -> LlamaModel:
+                     fused: bool = True, device: str | torch.device = "cpu") -> LlamaModel:
     """The draft ``LlamaModel`` with Int4Linear projections, from an engine directory. ``fused``:
     run few-row forwards through the compiled layers (trtssd.kernels.int4_draft; compiled on
-    first use); when they cannot be built the torch layers are used and a warning says why."""
+    first use); when they cannot be built the torch layers are used and a warning says why.
+
+    ``device`` other than the CPU: the int4 kernel (aten._weight_int4pack_mm_for_cpu) is CPU
+    only, so the same 4-bit groups are dequantized to fp32 plain projections on the device (the
+    head then uses its exact weight instead of int4 + top-k re-scoring). The draft's distribution
+    changes slightly; verification keeps the output exact. Unverified: never run on a GPU."""
     engine_dir = Path(engine_dir)
     manifest = manifest if manifest is not None else load_manifest(engine_dir)
     draft = manifest["draft"]
@@ -70,10 +76,30 @@ def load_draft_model(engine_dir: str | os.PathLike, manifest: Mapping[str, Any] 
             )
         except KeyError as err:
             raise ValueError(f"{engine_dir / draft['path']}: missing tensor {err}; rebuild the engine") from None
+    params = {k[len("param."):]: v for k, v in stored.items() if k.startswith("param.")}
+    device = torch.device(device)
+    if device.type != "cpu":
+        return _dequantized_draft(cfg, groups, params, device)
     quantize_linears(model, groups, head_top_k=draft["head_top_k"])
-    model.load_weights({k[len("param."):]: v for k, v in stored.items() if k.startswith("param.")})
+    model.load_weights(params)
     if fused:
         _attach_fused_layers(model)
+    return model.eval()
+
+
+def _dequantized_draft(cfg: ModelConfig, groups: Mapping[str, Int4Groups], params: Mapping[str, torch.Tensor],
+                       device: torch.device) -> LlamaModel:
+    """The int4 draft as a plain fp32 model on ``device``: each projection the exact dequantized
+    4-bit groups, the head its stored exact weight (or the tied embedding)."""
+    with torch.device(device):
+        model = LlamaModel(cfg)
+    weights = {f"{name}.weight": g.dequantize() for name, g in groups.items() if name != "lm_head"}
+    state = {**params, **weights}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # the head is the embedding
+    elif "lm_head.weight" not in state:
+        state["lm_head.weight"] = groups["lm_head"].dequantize()
+    model.load_weights(state)
     return model.eval()
 
 

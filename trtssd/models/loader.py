@@ -316,11 +316,13 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     make_linear: LinearFactory = default_linear,
     before_weights: Callable[[ModelConfig], None] | None = None,
+    device: str | torch.device = "cpu",
 ) -> LlamaModel:
     """A ready (eval, no grad) model from a Hugging Face directory or a GGUF file. GGUF quantized
     weights are dequantized to fp32 first, then cast to ``dtype`` (float32 or bfloat16).
     ``before_weights(config)`` runs once the configuration is known, before any weight is read
-    (e.g. to refuse a model that cannot fit)."""
+    (e.g. to refuse a model that cannot fit). ``device``: the model is made there and each weight
+    is copied from the file straight to it (a CUDA model never holds a whole host copy)."""
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     path = Path(path)
@@ -328,7 +330,8 @@ def load_model(
     cfg = gguf_config(gguf) if gguf is not None else load_config(path)
     if before_weights is not None:
         before_weights(cfg)
-    model = LlamaModel(cfg, make_linear)
+    with torch.device(device):  # parameters are allocated on the device; load_weights copies into their device
+        model = LlamaModel(cfg, make_linear)
     model.load_weights(gguf_state_dict(gguf, cfg) if gguf is not None else hf_state_dict(path, cfg))
     log.info("loaded %s (%s, %d layers, hidden %d) from %s", cfg.arch, dtype, cfg.num_layers, cfg.hidden_size, path)
     return model.to(dtype).eval()

@@ -40,6 +40,7 @@ class DraftClient(Protocol):
 
 class LocalDraft:
     def __init__(self, worker: DraftWorker, max_batch: int):
+        # Host buffers whatever the draft's device: CUDA cannot open a process's own IPC handles.
         layout = P.BufferLayout(max_batch, worker.k, worker.executor.vocab_size, None)
         self.server = DraftServer(worker, SharedBuffers(layout, bytearray(SharedBuffers.nbytes(layout)), lambda: None))
         self.alive = True
@@ -65,10 +66,9 @@ class LocalDraft:
         except Exception as err:  # noqa: BLE001 - reported as a lost draft, as over MPI
             self.mark_dead(f"draft error: {type(err).__name__}: {err}")
             raise PeerLost(self.failure) from err
-        rows = len(req.outcomes)
-        buffers = self.server.buffers
-        probs = buffers.probs(reply.buffer)[:rows] if reply.has_probs else None
-        return reply, buffers.tokens(reply.buffer)[:rows], probs
+        tokens, probs = self.server.buffers.receive(reply.buffer, len(req.outcomes), reply.has_probs,
+                                                    torch.device("cpu"))
+        return reply, tokens, probs
 
     def mark_dead(self, reason: str) -> None:
         if self.alive:

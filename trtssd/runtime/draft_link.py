@@ -9,6 +9,10 @@ Two ways to get a draft rank:
   the bulk rows use an MPI-3 shared-memory window. A dying rank there takes the job down (MPICH
   has no fault tolerance); timeouts still degrade to AR.
 
+With the draft on CUDA (``draft_device``), either way, the bulk rows use CUDA IPC buffers instead
+(trtssd/runtime/cuda_ipc.py; unverified: never run on a GPU): the draft allocates them on its GPU
+and sends their handles in Ready, and the target maps them once.
+
 Any failure (timeout, exit, DraftError) marks the link dead; the engine then decodes in AR mode
 from its own state, so nothing is lost. A dead draft's job is ended whole (`DraftJob`): its
 processes are killed and the shared memory MPICH would have removed at MPI_Finalize is removed.
@@ -28,11 +32,11 @@ import time
 from pathlib import Path
 
 import torch
-from mpi4py import MPI
 
-from trtssd.config import ModelRef, RuntimeConfig, SpeculativeConfig
+from trtssd.config import ModelRef, RuntimeConfig, SpeculativeConfig, Transport
 from trtssd.runtime import protocol as P
-from trtssd.runtime.transport import Channel, PeerLost, SharedBuffers
+from trtssd.runtime.cuda_ipc import CudaIpcBuffers
+from trtssd.runtime.transport import MPI, Channel, PeerLost, RoundBuffers, SharedBuffers, require_mpi
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,8 @@ def _mpiexec() -> str:
         raise RuntimeError("mpiexec not found: install the 'mpich' wheel (pip install mpich)")
     return found
 
+
+HOST = torch.device("cpu")
 
 # How long close() lets a draft that got Shutdown exit by itself (MPI_Finalize, interpreter exit)
 # before it is killed; a clean exit takes well under a second.
@@ -212,7 +218,7 @@ class DraftLink:
         self.channel = Channel(comm, peer)
         self.job = job  # None when the draft is a rank of our own MPI job (launch="world")
         self.timeout_s = timeout_s
-        self.buffers: SharedBuffers | None = None
+        self.buffers: RoundBuffers | None = None
         self.alive = True
         self.failure: str | None = None
         self.pid: int | None = None
@@ -224,7 +230,7 @@ class DraftLink:
     @classmethod
     def spawn(cls, draft_model: ModelRef, spec: SpeculativeConfig, runtime: RuntimeConfig, vocab_size: int,
               max_seq_len: int, start_timeout_s: float = 300.0) -> "DraftLink":
-        port = MPI.Open_port()
+        port = require_mpi("launch='spawn'").Open_port()
         env = dict(os.environ)
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         level = logging.getLevelName(logging.getLogger("trtssd").getEffectiveLevel())
@@ -238,8 +244,12 @@ class DraftLink:
             job.record()  # the rank is past MPI_Init: its MPICH segment exists
             link = cls(inter.Merge(high=False), 1, job, spec.draft_timeout_s)
             link._inter = inter
-            link.buffers = buffers = SharedBuffers.create_posix(runtime.max_batch, spec.k, vocab_size)
-            link._handshake(spec, runtime, buffers.layout, draft_model, max_seq_len, start_timeout_s, buffers)
+            if runtime.resolved_transport is Transport.HOST:
+                link.buffers = buffers = SharedBuffers.create_posix(runtime.max_batch, spec.k, vocab_size)
+                layout = buffers.layout
+            else:  # the draft allocates on its GPU; mapped after Ready
+                buffers, layout = None, _layout(runtime, spec, vocab_size)
+            link._handshake(spec, runtime, layout, draft_model, max_seq_len, start_timeout_s, buffers)
             job.record()  # and whatever the rank started while loading
         except BaseException:
             # Whatever state the draft is in, end its job and free what we made for it.
@@ -255,7 +265,7 @@ class DraftLink:
     def from_world(cls, comm: MPI.Intracomm, draft_model: ModelRef, spec: SpeculativeConfig, runtime: RuntimeConfig,
                    vocab_size: int, max_seq_len: int, start_timeout_s: float = 300.0) -> "DraftLink":
         link = cls(comm, comm.Get_size() - 1, None, spec.draft_timeout_s)
-        layout = P.BufferLayout(runtime.max_batch, spec.k, vocab_size, None)
+        layout = _layout(runtime, spec, vocab_size)
         try:
             link._handshake(spec, runtime, layout, draft_model, max_seq_len, start_timeout_s, None)
         except ValueError:
@@ -266,7 +276,11 @@ class DraftLink:
     def _handshake(self, spec, runtime, layout, draft_model, max_seq_len, timeout_s, buffers) -> None:
         self.channel.poll_interval_s = runtime.poll_interval_s
         self.channel.send(P.Hello(spec, runtime, layout, draft_model, max_seq_len), P.CONTROL_TAG)
-        self.buffers = buffers if buffers is not None else SharedBuffers.create_window(self.comm, layout)
+        cuda_ipc = layout.transport == Transport.CUDA_IPC.value
+        if buffers is not None:
+            self.buffers = buffers
+        elif not cuda_ipc:
+            self.buffers = SharedBuffers.create_window(self.comm, layout)  # collective with the draft rank
         try:
             ready = self._recv(timeout_s)
         except PeerLost as err:
@@ -275,6 +289,8 @@ class DraftLink:
             raise RuntimeError(f"draft rank did not start: {ready}")
         if ready.vocab_size != layout.vocab_size:
             raise ValueError(f"draft vocab_size {ready.vocab_size} != target vocab_size {layout.vocab_size}")
+        if cuda_ipc:
+            self.buffers = CudaIpcBuffers.attach(layout, ready.buffers)  # mapped once, for the link's life
         self.pid = ready.pid
         log.info("draft rank ready, pid %d (model loaded in %.1f s)", ready.pid, ready.load_time_s)
 
@@ -307,9 +323,8 @@ class DraftLink:
         except PeerLost as err:
             self.mark_dead(str(err))
             raise
-        rows = len(req.outcomes)
-        tokens = self.buffers.tokens(reply.buffer)[:rows]
-        probs = self.buffers.probs(reply.buffer)[:rows] if reply.has_probs else None
+        # On the host: the target's verification math runs there (its executor returns host logits).
+        tokens, probs = self.buffers.receive(reply.buffer, len(req.outcomes), reply.has_probs, HOST)
         return reply, tokens, probs
 
     def mark_dead(self, reason: str) -> None:
@@ -346,6 +361,13 @@ class DraftLink:
                 self.buffers.close()
             self.buffers = None
         self.alive = False
+
+
+def _layout(runtime: RuntimeConfig, spec: SpeculativeConfig, vocab_size: int) -> P.BufferLayout:
+    """The round buffers' layout when no POSIX segment names them (an MPI window, or CUDA IPC)."""
+    transport = runtime.resolved_transport
+    device = runtime.draft_device if transport is Transport.CUDA_IPC else "cpu"
+    return P.BufferLayout(runtime.max_batch, spec.k, vocab_size, None, transport.value, device)
 
 
 def _accept(port: str, job: DraftJob, timeout_s: float) -> MPI.Intercomm:

@@ -14,10 +14,13 @@ import time
 
 from mpi4py import MPI
 
+from trtssd.config import Transport
+from trtssd.devices import resolve_device
 from trtssd.runtime import protocol as P
 from trtssd.runtime.affinity import pin
+from trtssd.runtime.cuda_ipc import CudaIpcBuffers
 from trtssd.runtime.draft_server import DraftServer, load_worker
-from trtssd.runtime.transport import Channel, SharedBuffers
+from trtssd.runtime.transport import Channel, RoundBuffers, SharedBuffers
 
 log = logging.getLogger(__name__)
 
@@ -28,14 +31,13 @@ def serve(comm: MPI.Intracomm, target_rank: int = 0) -> None:
     hello: P.Hello = channel.recv(P.CONTROL_TAG)
     channel.poll_interval_s = hello.runtime.poll_interval_s
     pin("draft", hello.runtime.draft_cores, hello.runtime.draft_threads)
-    if hello.layout.shm_name is None:
-        buffers = SharedBuffers.create_window(comm, hello.layout)
-    else:
-        buffers = SharedBuffers.attach_posix(hello.layout)
+    buffers = None
     try:
+        buffers = _open_buffers(comm, hello.layout)
         t0 = time.perf_counter()
         worker = load_worker(hello.draft_model, hello.spec, hello.runtime, hello.max_seq_len)
-        channel.send(P.Ready(worker.executor.vocab_size, time.perf_counter() - t0, os.getpid()), P.REPLY_TAG)
+        handles = buffers.export() if isinstance(buffers, CudaIpcBuffers) else None
+        channel.send(P.Ready(worker.executor.vocab_size, time.perf_counter() - t0, os.getpid(), handles), P.REPLY_TAG)
         _loop(channel, DraftServer(worker, buffers))
     except Exception as err:
         # Report, so the target degrades (or, before Ready, fails to start with this message)
@@ -43,7 +45,19 @@ def serve(comm: MPI.Intracomm, target_rank: int = 0) -> None:
         log.exception("draft rank failed")
         channel.send(P.DraftError(f"{type(err).__name__}: {err}"), P.REPLY_TAG)
     finally:
-        buffers.close()
+        if buffers is not None:
+            buffers.close()
+
+
+def _open_buffers(comm: MPI.Intracomm, layout: P.BufferLayout) -> RoundBuffers:
+    """This side of the round buffers the target chose: the draft allocates CUDA IPC buffers on
+    its own device (the target maps them after Ready); host ones are the target's window or
+    POSIX segment (the window is collective: the target creates it right after Hello)."""
+    if layout.transport == Transport.CUDA_IPC.value:
+        return CudaIpcBuffers.create(layout, resolve_device(layout.device, "draft_device"))
+    if layout.shm_name is None:
+        return SharedBuffers.create_window(comm, layout)
+    return SharedBuffers.attach_posix(layout)
 
 
 def _loop(channel: Channel, server: DraftServer) -> None:

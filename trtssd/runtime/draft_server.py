@@ -13,7 +13,7 @@ from trtssd.backends.loading import load_executor
 from trtssd.config import Mode, ModelRef, RuntimeConfig, SpeculativeConfig, batch_tokens
 from trtssd.runtime import protocol as P
 from trtssd.runtime.draft_worker import DraftWorker
-from trtssd.runtime.transport import SharedBuffers
+from trtssd.runtime.transport import RoundBuffers
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 def load_worker(draft_model: ModelRef, spec: SpeculativeConfig, runtime: RuntimeConfig, max_seq_len: int) -> DraftWorker:
     """The draft model and its worker, calibrated for the auto fan-out."""
     executor = load_executor(draft_model, max_seqs=runtime.max_batch, max_seq_len=max_seq_len,
-                             max_batch_tokens=batch_tokens(spec, runtime))
+                             max_batch_tokens=batch_tokens(spec, runtime), device=runtime.draft_device,
+                             device_field="draft_device")
     worker = DraftWorker(executor, spec)
     if spec.mode is Mode.SSD and spec.fixed_fanout is None:
         try:
@@ -32,7 +33,7 @@ def load_worker(draft_model: ModelRef, spec: SpeculativeConfig, runtime: Runtime
 
 
 class DraftServer:
-    def __init__(self, worker: DraftWorker, buffers: SharedBuffers):
+    def __init__(self, worker: DraftWorker, buffers: RoundBuffers):
         self.worker = worker
         self.buffers = buffers
         self._prespec_s = 0.0  # pre-speculation time since the last reply, reported with the next
@@ -57,6 +58,7 @@ class DraftServer:
         self.buffers.tokens(req.buffer)[:rows].copy_(ans.tokens)
         if ans.probs is not None:
             self.buffers.probs(req.buffer)[:rows].copy_(ans.probs)
+        self.buffers.publish(req.buffer)  # before the reply: the target reads once it has the reply
         reply = P.SpeculateReply(
             round_id=req.round_id,
             buffer=req.buffer,

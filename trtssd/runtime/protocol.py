@@ -1,8 +1,8 @@
 """Every message between the target rank and the draft rank, used by both sides.
 
 Control messages are small pickled dataclasses sent over MPI. Bulk tensors (the K proposal
-tokens per row and the q' rows they were sampled from) travel through the shared buffers of
-`transport.SharedBuffers`; a reply says which of the two buffers holds its rows. Row i of a reply answers
+tokens per row and the q' rows they were sampled from) travel through the two buffers of a
+`transport.RoundBuffers`; a reply says which of the two buffers holds its rows. Row i of a reply answers
 ``outcomes[i]`` of the request.
 """
 
@@ -24,7 +24,9 @@ class BufferLayout:
     max_batch: int
     k: int
     vocab_size: int
-    shm_name: str | None  # POSIX shared memory name (connect mode); None = MPI-3 window
+    shm_name: str | None  # POSIX shared memory name (connect mode); None = MPI-3 window (or CUDA IPC)
+    transport: str = "host"  # "host" (shared host memory) or "cuda_ipc" (the draft's device buffer, mapped)
+    device: str = "cpu"  # cuda_ipc: the draft's device, where the buffer lives
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class Ready:
     vocab_size: int
     load_time_s: float
     pid: int  # the draft process (lets tests and operators find it)
+    buffers: object | None = None  # cuda_ipc: the draft's CudaIpcHandles, for the target to map once
 
 
 @dataclass(frozen=True)

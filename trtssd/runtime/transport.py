@@ -3,12 +3,19 @@
 - `Channel`: small control messages over MPI. Waiting polls with `Iprobe` and sleeps between
   polls, because a blocking MPI receive busy-polls a whole core (on a 2-core machine that is
   the core the other rank computes on).
-- `SharedBuffers`: the bulk rows (proposal tokens [B, K] and q' rows [B, K, V]) in real shared
-  memory, two buffers so the draft can write round t+1 while the target still reads round t.
-  Backed by an MPI-3 shared-memory window when both ranks share one MPI job (``mpiexec -n 2``),
-  or by POSIX shared memory when the draft is its own MPI job connected through an MPI port
-  (the API's launch mode: MPICH kills every rank of a job when one dies, so a separate job is
-  what lets the target survive its draft).
+- `RoundBuffers`: the interface of the bulk rows (proposal tokens [B, K] and q' rows [B, K, V]),
+  two buffers so the draft can write round t+1 while the target still reads round t. The draft
+  writes a round's rows into ``tokens(b)`` / ``probs(b)`` and calls ``publish(b)`` before its
+  reply; the target calls ``receive(b, ...)`` after the reply and gets rows it may use until
+  its next request. Two implementations:
+  - `SharedBuffers` (here): shared host memory. Backed by an MPI-3 shared-memory window when
+    both ranks share one MPI job (``mpiexec -n 2``), or by POSIX shared memory when the draft is
+    its own MPI job connected through an MPI port (the API's launch mode: MPICH kills every rank
+    of a job when one dies, so a separate job is what lets the target survive its draft). The
+    MPI reply itself orders the writes before the reads, so publish does nothing.
+  - `CudaIpcBuffers` (trtssd/runtime/cuda_ipc.py): a device buffer on the draft's GPU that the
+    target maps once at start-up, with one interprocess CUDA event per buffer (unverified:
+    never run on a GPU).
 """
 
 from __future__ import annotations
@@ -16,14 +23,27 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
-from mpi4py import MPI
 
+try:  # MPI carries the two-rank launches only: LLM(launch="local") runs without mpi4py
+    from mpi4py import MPI
+except ImportError:  # e.g. a GPU machine with torch and triton alone
+    MPI = None
+
+from trtssd.config import Transport
 from trtssd.runtime.protocol import BufferLayout
 
 log = logging.getLogger(__name__)
+
+
+def require_mpi(what: str):
+    """The mpi4py MPI module, or a clear error saying what needed it."""
+    if MPI is None:
+        raise RuntimeError(f"{what} needs mpi4py and an MPI library (pip install mpi4py mpich); "
+                           "launch='local' runs the draft in this process without them")
+    return MPI
 
 
 class PeerLost(RuntimeError):
@@ -63,12 +83,37 @@ class Channel:
         return self.comm.recv(source=self.peer, tag=tag)
 
 
+class RoundBuffers(Protocol):
+    """Two buffers of one round's rows, written by the draft rank and read by the target rank."""
+
+    layout: BufferLayout
+
+    def tokens(self, buffer: int) -> torch.Tensor:
+        """The writer's view of buffer ``buffer``'s proposal tokens, int64 [B, K]."""
+
+    def probs(self, buffer: int) -> torch.Tensor:
+        """The writer's view of buffer ``buffer``'s q' rows, fp32 [B, K, V]."""
+
+    def publish(self, buffer: int) -> None:
+        """Writer: everything written into ``buffer`` so far is the round; call before replying."""
+
+    def receive(self, buffer: int, rows: int, with_probs: bool,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Reader, after the reply: the first ``rows`` rows of a published buffer on ``device``
+        (tokens, probs or None). Valid until the reader's next request lets the writer reuse
+        the buffer."""
+
+    def close(self) -> None:
+        """Release what this side created or mapped."""
+
+
 def _buffer_bytes(layout: BufferLayout) -> int:
     return layout.max_batch * layout.k * (8 + 4 * layout.vocab_size)
 
 
 class SharedBuffers:
-    """Two buffers of [tokens int64 [B, K] | probs fp32 [B, K, V]] in shared memory."""
+    """`RoundBuffers` in shared host memory: two buffers of [tokens int64 [B, K] | probs fp32
+    [B, K, V]]."""
 
     def __init__(self, layout: BufferLayout, buffer, owner_cleanup: Callable[[], None]):
         self.layout = layout
@@ -95,6 +140,18 @@ class SharedBuffers:
     def probs(self, buffer: int) -> torch.Tensor:
         return self._probs[buffer]
 
+    def publish(self, buffer: int) -> None:
+        """Nothing to do: the writes are plain stores to shared memory, and the MPI reply that
+        follows them orders them before the target's reads."""
+
+    def receive(self, buffer: int, rows: int, with_probs: bool,
+                device: torch.device = torch.device("cpu")) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Views of the rows when ``device`` is the host (no copy), else a copy there."""
+        device = torch.device(device)
+        tokens = self._tokens[buffer][:rows].to(device)
+        probs = self._probs[buffer][:rows].to(device) if with_probs else None
+        return tokens, probs
+
     def close(self) -> None:
         self._tokens.clear()
         self._probs.clear()
@@ -108,7 +165,7 @@ class SharedBuffers:
         from multiprocessing import shared_memory
 
         name = f"trtssd-{uuid.uuid4().hex[:16]}"
-        layout = BufferLayout(max_batch, k, vocab_size, name)
+        layout = BufferLayout(max_batch, k, vocab_size, name, Transport.HOST.value)
         shm = shared_memory.SharedMemory(name=name, create=True, size=cls.nbytes(layout))
 
         def cleanup() -> None:
@@ -133,6 +190,6 @@ class SharedBuffers:
     def create_window(cls, comm: MPI.Intracomm, layout: BufferLayout) -> "SharedBuffers":
         """Collective over ``comm``: rank 0 allocates, every rank maps rank 0's memory."""
         size = cls.nbytes(layout) if comm.Get_rank() == 0 else 0
-        win = MPI.Win.Allocate_shared(size, 1, comm=comm)
+        win = require_mpi("an MPI-3 shared-memory window").Win.Allocate_shared(size, 1, comm=comm)
         buf, _ = win.Shared_query(0)
         return cls(layout, memoryview(buf).cast("B"), win.Free)

@@ -1,0 +1,350 @@
+"""trtssd.trtllm without TensorRT-LLM: request fields, outcomes, build command lines, the drafter's
+bookkeeping, the message when tensorrt_llm is absent, and `trtssd build --backend trtllm`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trtssd.cli import main
+from trtssd.config import Source
+from trtssd.runtime import protocol as P
+from trtssd.sampling import SamplingParams
+from trtssd.trtllm.availability import TensorRTLLMMissing, import_tensorrt_llm, tensorrt_llm_available
+from trtssd.trtllm.build_commands import (
+    EngineLimits, build_command, build_trtllm, convert_command, plan_for, render_script,
+)
+from trtssd.trtllm.drafter import SSDDraftSource, first_outcome, make_drafter, outcome_since, Drafted
+from trtssd.trtllm.executor_target import (
+    LOG_ZERO, TrtllmTargetExecutor, build_verify_request, derive_outcome, draft_logits, sampling_config_fields,
+)
+
+ENGINES = Path(__file__).resolve().parent.parent / "engines"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
+SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7, max_tokens=32)
+V = 16
+
+needs_no_trtllm = pytest.mark.skipif(tensorrt_llm_available(), reason="tensorrt_llm is installed here")
+
+
+def _q_rows(k: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.rand(k, V, generator=g)
+    q[:, 3] = 0.0  # tokens the draft could never sample
+    return q / q.sum(dim=-1, keepdim=True)
+
+
+# -- request construction ------------------------------------------------------------------------
+
+
+def test_greedy_request_carries_tokens_without_logits():
+    req = build_verify_request([1, 2, 9], [4, 5, 6], None, False, GREEDY, remaining=10, vocab_size=V, end_id=2)
+    assert req.input_token_ids == (1, 2, 9)  # the whole sequence, ending with the pending bonus
+    assert req.draft_tokens == (4, 5, 6)
+    assert req.max_tokens == 4  # drafts + the target's own next token
+    assert req.draft_logits is None
+    assert req.end_id == 2
+
+
+def test_drafts_are_cut_to_what_may_still_be_emitted():
+    req = build_verify_request([1], [4, 5, 6], _q_rows(3), False, SAMPLED, remaining=2, vocab_size=V)
+    assert (req.draft_tokens, req.max_tokens, tuple(req.draft_logits.shape)) == ((4,), 2, (1, V))
+    last = build_verify_request([1], [4, 5, 6], _q_rows(3), False, SAMPLED, remaining=1, vocab_size=V)
+    assert (last.draft_tokens, last.max_tokens, last.draft_logits) == ((), 1, None)
+    with pytest.raises(ValueError, match="remaining"):
+        build_verify_request([1], [4], None, False, GREEDY, remaining=0, vocab_size=V)
+    with pytest.raises(ValueError, match=r"draft token ids must be in \[0, 16\)"):
+        build_verify_request([1], [4, 99], None, False, GREEDY, remaining=5, vocab_size=V)
+
+
+def test_sampled_request_logits_softmax_back_to_the_q_rows():
+    """TensorRT-LLM softmaxes the draft logits (no temperature) to get q: it must be our q'."""
+    q = _q_rows(3)
+    req = build_verify_request([1, 2], [4, 5, 6], q, False, SAMPLED, remaining=10, vocab_size=V)
+    assert req.draft_logits.dtype == torch.float32 and tuple(req.draft_logits.shape) == (3, V)
+    back = torch.softmax(req.draft_logits, dim=-1)
+    torch.testing.assert_close(back, q, atol=1e-6, rtol=1e-5)
+    assert bool((back[:, 3] == 0).all())  # impossible tokens stay impossible, exactly
+
+
+def test_point_mass_rows_become_one_hot_logits_that_give_the_point_mass_rule():
+    logits = draft_logits([4, 5], None, True, V)
+    q = torch.softmax(logits, dim=-1)
+    assert q[0, 4] == 1.0 and q[1, 5] == 1.0 and float(q.sum()) == 2.0
+    assert float(logits.min()) == LOG_ZERO
+    # TensorRT-LLM's kernel: accept with min(1, p(s)/q(s)) = p(s); residual max(p - q, 0) renormalised,
+    # which for q = delta_s is p with s removed (ALGORITHM.md section 5, point-mass rule).
+    p = torch.softmax(torch.randn(V, generator=torch.Generator().manual_seed(1)), dim=-1)
+    residual = torch.clamp(p - q[0], min=0.0)
+    expected = p.clone()
+    expected[4] = 0.0
+    torch.testing.assert_close(residual / residual.sum(), expected / expected.sum())
+
+
+def test_a_draft_outside_its_q_row_is_refused():
+    q = _q_rows(2)
+    with pytest.raises(ValueError, match="probability 0"):
+        draft_logits([4, 3], q, False, V)  # token 3 has q = 0
+
+
+def test_sampling_config_fields_and_min_p_rejection():
+    assert sampling_config_fields(GREEDY) == {"beam_width": 1, "top_k": 1}
+    assert sampling_config_fields(SAMPLED) == {"beam_width": 1, "temperature": 0.8, "top_k": 20, "top_p": 0.9,
+                                               "seed": 7}
+    plain = sampling_config_fields(SamplingParams(temperature=1.0))
+    assert plain == {"beam_width": 1, "temperature": 1.0}  # top-k/top-p off: not sent at all
+    with pytest.raises(ValueError, match="min_p"):
+        build_verify_request([1], [4], _q_rows(1), False, SamplingParams(min_p=0.1), remaining=5, vocab_size=V)
+
+
+# -- outcome derivation --------------------------------------------------------------------------
+
+
+def test_outcome_all_some_none_accepted():
+    drafts = [4, 5, 6]
+    every = derive_outcome(drafts, [4, 5, 6, 9], "length", end_id=2)
+    assert (every.num_accepted, every.bonus, every.emitted, every.stopped) == (3, 9, (4, 5, 6, 9), False)
+    some = derive_outcome(drafts, [4, 5, 8], "length", end_id=2)
+    assert (some.num_accepted, some.bonus, some.emitted) == (2, 8, (4, 5, 8))
+    none = derive_outcome(drafts, [7], "length", end_id=2)
+    assert (none.num_accepted, none.bonus, none.emitted) == (0, 7, (7,))
+    assert some.to_protocol(11) == P.Outcome(11, 2, 8)
+    plain = derive_outcome([], [7], "length", end_id=2)  # no drafts: a plain decode step
+    assert (plain.num_accepted, plain.bonus) == (0, 7)
+
+
+def test_outcome_stop_inside_the_accepted_run():
+    # The end id (2) was the second draft and was accepted; TensorRT-LLM leaves it out of the output.
+    left_out = derive_outcome([4, 2, 6], [4], "end_id", end_id=2)
+    assert (left_out.num_accepted, left_out.bonus, left_out.emitted, left_out.stopped) == (2, None, (4, 2), True)
+    # The same when the output keeps it.
+    kept = derive_outcome([4, 2, 6], [4, 2], "end_id", end_id=2)
+    assert (kept.num_accepted, kept.bonus, kept.emitted, kept.stopped) == (2, None, (4, 2), True)
+    with pytest.raises(ValueError, match="no next round"):
+        kept.to_protocol(3)
+
+
+def test_outcome_end_id_as_the_bonus():
+    out = derive_outcome([4, 5], [4], "end_id", end_id=2)  # draft 5 rejected, the target sampled the end id
+    assert (out.num_accepted, out.bonus, out.emitted, out.stopped) == (1, 2, (4, 2), True)
+    full = derive_outcome([4, 5], [4, 5], "end_id", end_id=2)  # all accepted, then the end id
+    assert (full.num_accepted, full.bonus, full.emitted) == (2, 2, (4, 5, 2))
+
+
+def test_outcome_rejects_impossible_responses():
+    with pytest.raises(ValueError, match="more than one token after"):
+        derive_outcome([4, 5, 6], [4, 8, 9], "length", end_id=2)
+    with pytest.raises(ValueError, match="without a stop"):
+        derive_outcome([4, 5, 6], [4, 5], "length", end_id=2)
+
+
+# -- build command lines -------------------------------------------------------------------------
+
+
+def _words(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
+def test_default_engine_commands_from_the_catalog(tmp_path):
+    """A clean checkout: no engine built, no weights; the catalog says llama and int4 self-draft."""
+    plan = plan_for("smollm2-135m", tmp_path, k=5)
+    assert plan.root == (tmp_path / "smollm2-135m.trtllm").resolve()
+    target = build_command(plan.target, plan.limits, plan.k)
+    assert _words(target, "--speculative_decoding_mode") == "draft_tokens_external"
+    assert _words(target, "--max_draft_len") == "5"
+    assert _words(target, "--use_paged_context_fmha") == "enable"
+    assert _words(target, "--kv_cache_type") == "paged"
+    assert _words(target, "--checkpoint_dir") == str(plan.root / "checkpoint" / "target")
+    assert _words(target, "--max_input_len") == "2047" and _words(target, "--max_seq_len") == "2048"
+    draft = build_command(plan.draft, plan.limits, plan.k)
+    assert "--speculative_decoding_mode" not in draft and "--max_draft_len" not in draft
+    assert _words(draft, "--use_paged_context_fmha") == "enable"
+    convert = convert_command(plan.draft, plan.limits)
+    assert convert[1].endswith("models/core/llama/convert_checkpoint.py")
+    assert _words(convert, "--model_dir") == str(plan.root / "hf" / "target")  # the target's own weights
+    assert _words(convert, "--weight_only_precision") == "int4" and "--use_weight_only" in convert
+    assert "--use_weight_only" not in convert_command(plan.target, plan.limits)
+
+
+def test_qwen_pair_commands_from_the_catalog(tmp_path):
+    plan = plan_for("qwen2.5-coder-1.5b", tmp_path, k=4, limits=EngineLimits(max_batch_size=4, max_seq_len=1024))
+    for side in (plan.target, plan.draft):
+        convert = convert_command(side, plan.limits)
+        assert convert[1] == "$TRTLLM_EXAMPLES/models/core/qwen/convert_checkpoint.py"
+        assert "--use_weight_only" not in convert
+    assert _words(convert_command(plan.draft, plan.limits), "--model_dir") == str(plan.root / "hf" / "draft")
+    assert plan.draft.source_dir == (tmp_path / "qwen2.5-coder-1.5b" / "draft").resolve()
+    target = build_command(plan.target, plan.limits, plan.k)
+    assert (_words(target, "--max_draft_len"), _words(target, "--max_batch_size"), _words(target, "--max_seq_len")) == (
+        "4", "4", "1024")
+
+
+@pytest.mark.parametrize("name,family,converter", [("smollm2-135m", "llama", "llama"),
+                                                    ("qwen2.5-coder-1.5b", "qwen2", "qwen")])
+def test_commands_from_a_built_engines_manifest(tmp_path, name, family, converter):
+    """A built engine is read from its manifest (the real one when this checkout has it)."""
+    real = ENGINES / name / "manifest.json"
+    if real.is_file():
+        manifest = json.loads(real.read_text())
+    else:
+        backend = "torch-int4" if name == "smollm2-135m" else "torch"
+        manifest = {"architecture": {"arch": family}, "target": {"format": "gguf"}, "draft": {"backend": backend}}
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "manifest.json").write_text(json.dumps(manifest))
+    plan = plan_for(name, tmp_path)
+    assert plan.target.family == family
+    assert f"models/core/{converter}/convert_checkpoint.py" in render_script(plan)
+    assert plan.draft.int4_weight_only == (name == "smollm2-135m")
+
+
+def test_a_manifest_architecture_without_converter_is_refused(tmp_path):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "manifest.json").write_text(json.dumps(
+        {"architecture": {"arch": "gemma"}, "target": {"format": "gguf"}, "draft": {"backend": "torch"}}))
+    with pytest.raises(ValueError, match="'gemma' has no TensorRT-LLM converter"):
+        plan_for("x", tmp_path)
+    with pytest.raises(ValueError, match="neither built"):
+        plan_for("not-an-engine", tmp_path)
+    with pytest.raises(ValueError, match="max_draft_len"):
+        plan_for("smollm2-135m", tmp_path, k=0)
+
+
+def test_script_is_valid_bash_with_every_step(tmp_path):
+    plan = plan_for("qwen2.5-coder-1.5b", tmp_path)
+    script = tmp_path / "build.sh"
+    script.write_text(render_script(plan))
+    subprocess.run(["bash", "-n", str(script)], check=True)  # syntax only; nothing is run
+    text = script.read_text()
+    assert text.count("trtllm-build ") == 2 and text.count("/convert_checkpoint.py\" --model_dir") == 2
+    assert text.count("gguf_file=gguf") == 2  # both GGUFs are exported (the Qwen draft is its own model)
+    assert 'TRTLLM_EXAMPLES="${TRTLLM_EXAMPLES:-' in text and "unverified: never run" in text
+
+
+# -- without tensorrt_llm ------------------------------------------------------------------------
+
+
+@needs_no_trtllm
+def test_missing_tensorrt_llm_is_reported_clearly(tmp_path):
+    with pytest.raises(TensorRTLLMMissing, match=r"`tensorrt_llm` \(TensorRT-LLM 1\.2\.x\)"):
+        import_tensorrt_llm(needed_for="a test")
+    with pytest.raises(TensorRTLLMMissing, match="The TensorRT-LLM target executor"):
+        TrtllmTargetExecutor(tmp_path)
+    with pytest.raises(TensorRTLLMMissing, match="The SSD drafter"):
+        make_drafter(object(), 4)
+    result = build_trtllm("smollm2-135m", tmp_path)
+    assert not result.ran and result.script.is_file()
+    assert "--max_draft_len 5" in result.script.read_text()  # trtssd's lookahead by default
+    assert "tensorrt_llm" in result.message and str(result.script) in result.message
+    assert not (tmp_path / "smollm2-135m").exists()  # nothing fetched or built
+
+
+@needs_no_trtllm
+def test_cli_build_backend_trtllm(tmp_path, capsys, caplog):
+    assert main(["build", "qwen2.5-coder-1.5b", "--backend", "trtllm", "--k", "3", "--out", str(tmp_path)]) == 0
+    script = Path(capsys.readouterr().out.strip())
+    assert script == (tmp_path / "qwen2.5-coder-1.5b.trtllm" / "build.sh").resolve()
+    assert "--max_draft_len 3" in script.read_text()
+    assert "not importable" in caplog.text and str(script) in caplog.text
+    with pytest.raises(SystemExit) as exit_info:
+        main(["build", "--backend", "trtllm", "--target", str(tmp_path / "m.gguf"), "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+
+
+# -- the drafter's bookkeeping -------------------------------------------------------------------
+
+
+def test_outcomes_from_request_tokens():
+    prefill, first = first_outcome(5, [10, 11, 12, 40], prompt_len=3)
+    assert prefill.prompt == (10, 11, 12) and first == P.Outcome(5, 0, 40)
+    drafted = Drafted(num_tokens=4, drafts=(41, 42, 43))
+    assert outcome_since(5, [10, 11, 12, 40, 41, 42, 99], drafted) == P.Outcome(5, 2, 99)
+    assert outcome_since(5, [10, 11, 12, 40, 41, 42, 43, 44], drafted) == P.Outcome(5, 3, 44)
+    assert outcome_since(5, [10, 11, 12, 40, 77], drafted) == P.Outcome(5, 0, 77)
+    # A step decoded without drafts after the verification: its tokens are plain ones.
+    assert outcome_since(5, [10, 11, 12, 40, 41, 99, 7], drafted) == P.Outcome(5, 1, 99, (7,))
+    assert outcome_since(5, [10, 11, 12, 40], drafted) is None
+
+
+class FakeDraftClient:
+    """Answers every row with the chain [base + 1, ..., base + k] where base = the row's bonus."""
+
+    def __init__(self, k: int):
+        self.k, self.alive, self.pid = k, True, None
+        self.sent: list = []
+        self.requests: list[P.SpeculateRequest] = []
+
+    def send(self, msg):
+        self.sent.append(msg)
+        return True
+
+    def speculate(self, req):
+        self.requests.append(req)
+        rows = [[o.bonus + i for i in range(1, self.k + 1)] for o in req.outcomes]
+        n = len(req.outcomes)
+        reply = P.SpeculateReply(req.round_id, req.buffer, (Source.HIT,) * n, (False,) * n, False, 0.0, 0.0)
+        return reply, torch.tensor(rows), None
+
+    def mark_dead(self, reason):
+        self.alive = False
+
+
+class FakeRequest:
+    """The fields of TensorRT-LLM's LlmRequest that the drafter reads and writes."""
+
+    def __init__(self, request_id: int, tokens: list[int], prompt_len: int = 3, max_new: int = 20):
+        self.request_id, self.tokens = request_id, list(tokens)
+        self.py_orig_prompt_len, self.py_max_new_tokens = prompt_len, max_new
+        self.py_draft_tokens = None
+
+    def get_tokens(self, beam: int) -> list[int]:
+        return list(self.tokens)
+
+
+def _request(request_id, tokens, prompt_len=3, max_new=20):
+    return FakeRequest(request_id, tokens, prompt_len, max_new)
+
+
+def _scheduled(*requests):
+    return SimpleNamespace(generation_requests=list(requests))
+
+
+def test_drafter_asks_the_draft_rank_for_each_outcome():
+    client = FakeDraftClient(k=3)
+    source = SSDDraftSource(client, max_draft_len=3)
+    a = _request(1, [10, 11, 12, 40])
+    source.prepare_draft_tokens(_scheduled(a))
+    assert client.sent == [P.Prefill(1, (10, 11, 12), source.params)]
+    assert client.requests[-1].outcomes == (P.Outcome(1, 0, 40),)
+    assert a.py_draft_tokens == [41, 42, 43]
+    a.tokens += [41, 42, 50]  # TensorRT-LLM accepted two drafts, then its own token 50
+    b = _request(2, [20, 21, 60], prompt_len=2)
+    source.prepare_draft_tokens(_scheduled(a, b))
+    assert client.requests[-1].outcomes == (P.Outcome(1, 2, 50), P.Outcome(2, 0, 60))
+    assert (a.py_draft_tokens, b.py_draft_tokens) == ([51, 52, 53], [61, 62, 63])
+    assert [r.buffer for r in client.requests] == [0, 1]  # the two shared buffers alternate
+    b.tokens += [61, 62, 63, 64]
+    source.prepare_draft_tokens(_scheduled(b))  # request 1 has finished
+    assert client.requests[-1].released == (1,)
+    assert client.requests[-1].outcomes == (P.Outcome(2, 3, 64),)
+
+
+def test_drafter_never_drafts_past_the_last_token():
+    client = FakeDraftClient(k=3)
+    source = SSDDraftSource(client, max_draft_len=3)
+    a = _request(1, [10, 11, 12, 40], max_new=3)  # 1 of 3 new tokens generated: room for 1 draft + bonus
+    source.prepare_draft_tokens(_scheduled(a))
+    assert a.py_draft_tokens == [41]
+
+
+def test_drafter_without_a_draft_rank_proposes_nothing():
+    client = FakeDraftClient(k=3)
+    client.alive = False
+    source = SSDDraftSource(client, max_draft_len=3)
+    a = _request(1, [10, 11, 12, 40])
+    source.prepare_draft_tokens(_scheduled(a))
+    assert a.py_draft_tokens == [] and client.requests == []

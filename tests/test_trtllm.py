@@ -1,5 +1,7 @@
 """trtssd.trtllm without TensorRT-LLM: request fields, outcomes, build command lines, the drafter's
-bookkeeping, the message when tensorrt_llm is absent, and `trtssd build --backend trtllm`."""
+bookkeeping, the message when tensorrt_llm is absent, `trtssd build --backend trtllm`, the target
+loop's rounds through the TensorRT-LLM verifier (a stand-in executor) and the drafter on a draft
+rank of its own."""
 
 from __future__ import annotations
 
@@ -11,18 +13,25 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tiny_models import make_tiny_pair
+from trtssd import LLM
+from trtssd.backends.base import chain_chunk
+from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.cli import main
-from trtssd.config import Source
+from trtssd.config import ModelRef, RuntimeConfig, Source
 from trtssd.runtime import protocol as P
+from trtssd.runtime.launch import start_draft
 from trtssd.sampling import SamplingParams
 from trtssd.trtllm.availability import TensorRTLLMMissing, import_tensorrt_llm, tensorrt_llm_available
 from trtssd.trtllm.build_commands import (
     EngineLimits, build_command, build_trtllm, convert_command, plan_for, render_script,
 )
-from trtssd.trtllm.drafter import SSDDraftSource, first_outcome, make_drafter, outcome_since, Drafted
+from trtssd.trtllm import drafter as drafter_module
+from trtssd.trtllm.drafter import SSDDraftSource, first_outcome, make_drafter, open_draft_source, outcome_since, Drafted
 from trtssd.trtllm.executor_target import (
     LOG_ZERO, TrtllmTargetExecutor, build_verify_request, derive_outcome, draft_logits, sampling_config_fields,
 )
+from trtssd.trtllm.verifier import TrtllmVerifier
 
 ENGINES = Path(__file__).resolve().parent.parent / "engines"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
@@ -348,3 +357,153 @@ def test_drafter_without_a_draft_rank_proposes_nothing():
     a = _request(1, [10, 11, 12, 40])
     source.prepare_draft_tokens(_scheduled(a))
     assert a.py_draft_tokens == [] and client.requests == []
+
+
+# -- the TensorRT-LLM verifier through the target loop's seam ------------------------------------
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10] * 12, [42]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Path, Path]:
+    return make_tiny_pair(tmp_path_factory.mktemp("trtllm"))
+
+
+class FakeTrtllmExecutor:
+    """Stands in for TensorRT-LLM's Executor responses (greedy only): each request is scored from
+    scratch by the tiny target, its output is what the engine returns (the drafts the target's
+    argmax agrees with, then the target's own token), and the outcome comes from the same
+    ``derive_outcome`` the real executor uses. Tests our seam and outcome logic, not TensorRT-LLM."""
+
+    def __init__(self, target_path: Path):
+        self.model = TorchExecutor.from_pretrained(target_path, max_seqs=1, max_seq_len=512)
+        self.requests: list = []
+
+    def verify(self, requests, params):
+        assert all(p.is_greedy for p in params), "the stand-in scores greedy requests only"
+        self.requests += requests
+        return [derive_outcome(r.draft_tokens, self._output(r), "length", r.end_id) for r in requests]
+
+    def _output(self, request) -> list[int]:
+        assert request.draft_logits is None and request.max_tokens == len(request.draft_tokens) + 1
+        tokens = list(request.input_token_ids) + list(request.draft_tokens)
+        self.model.add_sequence(0)
+        try:
+            logits = self.model.forward([chain_chunk(0, tokens, 0)])[0]
+        finally:
+            self.model.release(0)
+        target = logits[len(request.input_token_ids) - 1:].argmax(-1).tolist()  # after the bonus, each draft
+        out = []
+        for draft, wanted in zip(request.draft_tokens, target):
+            out.append(wanted)
+            if draft != wanted:
+                return out
+        return out + [target[len(request.draft_tokens)]]
+
+
+def _tiny_llm(tiny, mode: str, **kw) -> LLM:
+    return LLM(target=ModelRef(str(tiny[0])), draft=ModelRef(str(tiny[1])), mode=mode, launch="local",
+               max_seq_len=256, plain_under_load=False, **kw)
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_trtllm_verifier_gives_the_greedy_tokens_of_ar(tiny, mode):
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (9, 23, 14, 5)]
+    with _tiny_llm(tiny, "ar") as llm:
+        ref = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    fake = FakeTrtllmExecutor(tiny[0])
+    with _tiny_llm(tiny, mode, max_batch=2) as llm:
+        llm.loop.verifier = TrtllmVerifier(fake, llm.loop.target.vocab_size)
+        got = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        summary = llm.metrics.summary()
+    assert got == ref
+    assert summary["degraded_rounds"] == 0
+    drafted = [r for r in fake.requests if r.draft_tokens]
+    assert bool(drafted) == (mode != "ar")  # ar: plain rounds only, each a request without drafts
+    for r in fake.requests:  # never more than the request may still emit
+        assert r.max_tokens == len(r.draft_tokens) + 1 and r.end_id is None
+
+
+def test_trtllm_verifier_refuses_what_tensorrt_llm_cannot_honour(tiny):
+    with _tiny_llm(tiny, "ar") as llm:
+        llm.loop.verifier = TrtllmVerifier(FakeTrtllmExecutor(tiny[0]), llm.loop.target.vocab_size)
+        with pytest.raises(ValueError, match="min_p"):
+            llm.generate([[1, 2, 3]], SamplingParams(temperature=0.8, min_p=0.1, max_tokens=4))
+        assert not llm.loop.has_unfinished()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(target_backend="tensorrt"), "target_backend must be one of 'torch', 'trtllm'"),
+    (dict(target_backend="trtllm"), "trtllm_engine_dir is required with target_backend 'trtllm'"),
+    (dict(trtllm_engine_dir="/x"), "allowed only with it"),
+])
+def test_target_backend_options_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RuntimeConfig(**kwargs)
+
+
+@needs_no_trtllm
+def test_llm_with_the_trtllm_backend_says_what_is_missing(tiny, tmp_path):
+    with pytest.raises(TensorRTLLMMissing, match="needs the Python package `tensorrt_llm`"):
+        _tiny_llm(tiny, "ar", target_backend="trtllm", trtllm_engine_dir=str(tmp_path))
+
+
+# -- the drafter on a draft rank of its own --------------------------------------------------------
+
+
+def _draft_greedy(draft_path: Path, tokens: list[int], n: int) -> list[int]:
+    """The draft model's own greedy continuation (what an sd draft rank proposes)."""
+    model = TorchExecutor.from_pretrained(draft_path, max_seqs=1, max_seq_len=256)
+    model.add_sequence(0)
+    out, seq = [], list(tokens)
+    for _ in range(n):
+        logits = model.forward([chain_chunk(0, seq, 0)])[0]
+        seq.append(int(logits[-1].argmax()))
+        out.append(seq[-1])
+    return out
+
+
+@pytest.mark.mpi
+def test_drafter_on_its_own_spawned_draft_rank(tiny):
+    """Prefill, two greedy speculations and a release against a real draft rank the drafter
+    started (its own MPI job); close() ends the job and frees its buffers."""
+    with open_draft_source(draft=ModelRef(str(tiny[1])), vocab_size=64, mode="sd", k=3, max_batch=2,
+                           max_seq_len=128) as source:
+        link = source.client
+        a = _request(1, [1, 2, 3, 4, 5, 9], prompt_len=5)
+        source.prepare_draft_tokens(_scheduled(a))
+        assert a.py_draft_tokens == _draft_greedy(tiny[1], a.tokens, 3)
+        first = a.py_draft_tokens
+        a.tokens += [first[0], (first[1] + 1) % 64]  # one draft accepted, then another token
+        source.prepare_draft_tokens(_scheduled(a))
+        assert a.py_draft_tokens == _draft_greedy(tiny[1], a.tokens, 3)
+        source.prepare_draft_tokens(_scheduled())  # request 1 finished: released on the draft rank
+        assert link.alive and source._drafted == {}
+    assert not link.alive and not link.job.running() and link.buffers is None
+    assert link.job._live_processes() == []
+
+
+def test_drafter_options_are_checked_and_a_refused_drafter_leaves_no_draft(tiny, monkeypatch):
+    with pytest.raises(ValueError, match="mode must be 'sd' or 'ssd' for a drafter"):
+        open_draft_source(draft=ModelRef(str(tiny[1])), vocab_size=64, mode="ar")
+    with pytest.raises(TypeError, match="unknown drafter option"):
+        open_draft_source(draft=ModelRef(str(tiny[1])), vocab_size=64, colour="red")
+    closed = []
+
+    def start(*args):
+        client = start_draft(*args)
+        client.close = lambda: closed.append(True)
+        return client
+
+    monkeypatch.setattr(drafter_module, "start_draft", start)
+    with pytest.raises(ValueError, match=r"max_draft_len must be an int in \[1, k=3\]"):
+        open_draft_source(draft=ModelRef(str(tiny[1])), vocab_size=64, mode="sd", k=3, max_draft_len=4,
+                          launch="local", max_seq_len=128)
+    assert closed == [True]  # the draft it had started was ended
+
+
+@needs_no_trtllm
+def test_make_drafter_without_tensorrt_llm_starts_nothing(tiny, monkeypatch):
+    monkeypatch.setattr(drafter_module, "start_draft", lambda *a: pytest.fail("a draft rank was started"))
+    with pytest.raises(TensorRTLLMMissing, match="The SSD drafter needs"):
+        make_drafter(draft=ModelRef(str(tiny[1])), vocab_size=64, mode="sd")

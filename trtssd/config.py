@@ -40,6 +40,13 @@ class Transport(str, enum.Enum):
     CUDA_IPC = "cuda_ipc"  # a device buffer on the draft's GPU, mapped by the target through CUDA IPC
 
 
+class TargetBackend(str, enum.Enum):
+    """What verifies the draft's rows on the target rank (prefill stays on the torch executor)."""
+
+    TORCH = "torch"  # trtssd's own executor (trtssd/backends/)
+    TRTLLM = "trtllm"  # a TensorRT-LLM 1.2.x engine through its Executor API (trtssd/trtllm/; unverified)
+
+
 def check_device(value: object, field_name: str) -> str:
     """A device name as a string ("cpu", "cuda", "cuda:N"), checked for form only: whether CUDA
     is present is asked when the device is used (trtssd/devices.py), so a configuration can be
@@ -127,6 +134,8 @@ class RuntimeConfig:
     target_device: str = "cpu"  # where the target's weights, KV pool and forwards live: "cpu", "cuda", "cuda:N"
     draft_device: str = "cpu"  # the same for the draft rank (on one GPU both ranks may share it)
     transport: Transport = Transport.AUTO  # how proposal rows reach the target; auto follows draft_device
+    target_backend: TargetBackend = TargetBackend.TORCH  # what verifies rounds on the target
+    trtllm_engine_dir: str | None = None  # the TensorRT-LLM target engine (target_backend "trtllm" only)
 
     def __post_init__(self) -> None:
         for name in ("target_device", "draft_device"):
@@ -135,6 +144,10 @@ class RuntimeConfig:
         if self.transport is Transport.CUDA_IPC and not self.draft_device.startswith("cuda"):
             raise ValueError(f"transport 'cuda_ipc' needs draft_device 'cuda' or 'cuda:N' (the buffer lives on the "
                              f"draft's GPU); got draft_device {self.draft_device!r}")
+        object.__setattr__(self, "target_backend", _choice(TargetBackend, self.target_backend, "target_backend"))
+        if (self.target_backend is TargetBackend.TRTLLM) != (self.trtllm_engine_dir is not None):
+            raise ValueError("trtllm_engine_dir is required with target_backend 'trtllm' and allowed only with it; got "
+                             f"target_backend {self.target_backend.value!r}, trtllm_engine_dir {self.trtllm_engine_dir!r}")
         for name in ("max_batch", "max_seq_len", "target_threads", "draft_threads"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:

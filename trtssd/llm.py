@@ -14,21 +14,17 @@ from typing import Iterator, Sequence
 
 from trtssd.backends.loading import load_executor
 from trtssd.build import resolve_models
-from trtssd.config import Mode, ModelRef, RuntimeConfig, SpeculativeConfig, batch_tokens
+from trtssd.config import Mode, ModelRef, RuntimeConfig, SpeculativeConfig, TargetBackend, batch_tokens
 from trtssd.devices import resolve_device
 from trtssd.models.tokenizer import chat_prompt_ids, encode_text, load_tokenizer
 from trtssd.runtime.affinity import pin, restore, split_cores
-from trtssd.runtime.draft_client import DraftClient, LocalDraft
-from trtssd.runtime.draft_link import DraftLink
-from trtssd.runtime.draft_server import load_worker
-from trtssd.runtime.target_loop import TargetLoop
-from trtssd.runtime.transport import require_mpi
+from trtssd.runtime.launch import LAUNCHES, start_draft, target_seq_len
+from trtssd.runtime.target_loop import TargetLoop, Verifier
 from trtssd.runtime.metrics import SpecMetrics
 from trtssd.sampling import SamplingParams
+from trtssd.trtllm.verifier import trtllm_verifier
 
 log = logging.getLogger(__name__)
-
-LAUNCHES = ("spawn", "world", "local")
 
 Prompt = str | Sequence[int]
 
@@ -54,8 +50,11 @@ class LLM:
              tokens, no overlap: for debugging and tests, never for speed; needs no mpi4py).
     Every other keyword goes to SpeculativeConfig (mode, k, fanout, fanout_budget, saguaro_c, backup,
     draft_timeout_s) or RuntimeConfig (max_batch, max_seq_len, *_threads, *_cores, target_device,
-    draft_device, transport). target_device / draft_device: "cpu" (default), "cuda" or "cuda:N";
-    each rank loads its model there (CUDA: unverified, never run on a GPU).
+    draft_device, transport, target_backend, trtllm_engine_dir). target_device / draft_device: "cpu"
+    (default), "cuda" or "cuda:N"; each rank loads its model there (CUDA: unverified, never run on a GPU).
+    target_backend: "torch" (default) or "trtllm": rounds verified by the TensorRT-LLM 1.2.x engine
+             in ``trtllm_engine_dir`` (docs/tensorrt_llm.md; unverified: never run); prefill stays
+             on the torch target.
     """
 
     def __init__(self, engine: str | None = None, *, target: ModelRef | None = None,
@@ -86,30 +85,29 @@ class LLM:
         self._closed = False
 
     def _start(self, target: ModelRef, draft: ModelRef, launch: str) -> TargetLoop:
-        # Room for the verify block on the target; the draft also holds glue + tree scratch.
-        target_len = self.runtime.max_seq_len + self.spec.k + 1
-        draft_len = target_len + self.spec.k * self.spec.budget
-        executor = load_executor(target, max_seqs=self.runtime.max_batch, max_seq_len=target_len,
+        executor = load_executor(target, max_seqs=self.runtime.max_batch,
+                                 max_seq_len=target_seq_len(self.spec, self.runtime),
                                  max_batch_tokens=batch_tokens(self.spec, self.runtime),
                                  device=self.runtime.target_device, device_field="target_device")
         self.tokenizer = load_tokenizer(target.path)
+        verifier = self._verifier(executor.vocab_size)
         link = None
-        if self.spec.mode is not Mode.AR:
-            link = self._start_draft(launch, draft, executor.vocab_size, draft_len)
-        return TargetLoop(executor, self.spec, self.runtime.max_batch, self.tokenizer, _eos_ids(self.tokenizer), link)
+        try:
+            if self.spec.mode is not Mode.AR:
+                link = start_draft(launch, draft, self.spec, self.runtime, executor.vocab_size)
+        except BaseException:
+            _close_verifier(verifier)
+            raise
+        return TargetLoop(executor, self.spec, self.runtime.max_batch, self.tokenizer, _eos_ids(self.tokenizer), link,
+                          verifier)
 
-    def _start_draft(self, launch: str, draft: ModelRef, vocab_size: int, draft_len: int) -> DraftClient:
-        if launch == "local":
-            worker = load_worker(draft, self.spec, self.runtime, draft_len)
-            if worker.executor.vocab_size != vocab_size:
-                raise ValueError(f"draft vocab_size {worker.executor.vocab_size} != target vocab_size {vocab_size}")
-            return LocalDraft(worker, self.runtime.max_batch)
-        if launch == "world":
-            world = require_mpi("launch='world'").COMM_WORLD
-            if world.Get_size() < 2:
-                raise RuntimeError("launch='world' needs mpiexec -n 2 (the last rank is the draft)")
-            return DraftLink.from_world(world, draft, self.spec, self.runtime, vocab_size, draft_len)
-        return DraftLink.spawn(draft, self.spec, self.runtime, vocab_size, draft_len)
+    def _verifier(self, vocab_size: int) -> Verifier | None:
+        """The target's rounds: None = the torch executor's own (TargetLoop's default)."""
+        if self.runtime.target_backend is TargetBackend.TORCH:
+            return None
+        # Injected from here: the runtime may not import the TensorRT-LLM layer, which sits on
+        # top of it (tests/test_layering.py); tensorrt_llm itself is imported only now.
+        return trtllm_verifier(self.runtime.trtllm_engine_dir, vocab_size)
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -188,6 +186,7 @@ class LLM:
         self._closed = True
         if self.loop.draft is not None:
             self.loop.draft.close()
+        _close_verifier(self.loop.verifier)
         restore(self._previous_affinity)
 
     def __enter__(self) -> "LLM":
@@ -201,6 +200,14 @@ class LLM:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+def _close_verifier(verifier) -> None:
+    """Shut down a verifier that holds an engine of its own (TensorRT-LLM's executor); the
+    default one uses the loop's executor and has nothing to close."""
+    close = getattr(verifier, "close", None)
+    if close is not None:
+        close()
 
 
 def _broadcast_params(params, n: int) -> list[SamplingParams]:

@@ -6,6 +6,10 @@ last outcomes to the draft, receives the speculation, verifies it in one K+1-tok
 and commits the accepted tokens. The target's own state (committed KV plus the pending bonus
 token) is always enough to continue alone, which is how a lost draft degrades to `ar` without
 losing or corrupting anything.
+
+Who scores the rows is a `Verifier`: by default `ExecutorVerifier`, the loop's own executor
+(forward + `spec_decode.verify` + commit); another target engine (TensorRT-LLM, trtssd/trtllm/)
+plugs in behind the same two calls. Prefill stays on the loop's executor either way.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -68,9 +73,73 @@ class StepOutput:
     token_deltas: tuple[str, ...] = ()  # each new token's share of text_delta (for per-token streams)
 
 
+@dataclass(frozen=True)
+class Verified:
+    """Each row's verification result, in the order of the rows given."""
+
+    num_accepted: tuple[int, ...]  # drafts accepted per row
+    bonus: tuple[int, ...]  # the target's token after them per row
+
+
+class Verifier(Protocol):
+    """Scores the running rows on the target and returns what each one emits.
+
+    Rows are `Sequence`s whose ``bonus`` is the pending token (not yet in the target's state);
+    the verifier brings its target's state up to date with what it returns.
+    """
+
+    def verify(self, seqs: list[Sequence], proposals: torch.Tensor, probs: torch.Tensor | None,
+               point_mass: tuple[bool, ...]) -> Verified:
+        """One speculative round: ``proposals`` [B, K] from the draft, ``probs`` its q' rows
+        [B, K, V] (None for greedy rows), ``point_mass`` per row."""
+
+    def plain(self, seqs: list[Sequence]) -> list[int]:
+        """One plain step (no drafts): each row's next token."""
+
+    def check(self, params: SamplingParams) -> None:
+        """Raise ValueError for sampling parameters this target cannot honour exactly."""
+
+
+class ExecutorVerifier:
+    """The default verifier: the loop's own executor, one K+1-token pass, exact verification."""
+
+    def __init__(self, target: Executor, k: int):
+        self.target = target
+        self.k = k
+
+    def check(self, params: SamplingParams) -> None:
+        pass  # trtssd.sampling implements every SamplingParams field
+
+    def verify(self, seqs: list[Sequence], proposals: torch.Tensor, probs: torch.Tensor | None,
+               point_mass: tuple[bool, ...]) -> Verified:
+        chunks = [
+            Chunk(s.seq_id, *_verify_layout(s.bonus, proposals[i], self.target.committed(s.seq_id)))
+            for i, s in enumerate(seqs)
+        ]
+        logits = torch.stack(self.target.forward(chunks))  # [B, K+1, V]
+        result = verify(
+            logits, proposals.clone(), torch.full((len(seqs),), self.k, dtype=torch.long), probs,
+            torch.tensor(point_mass, dtype=torch.bool), [s.params for s in seqs],
+            [s.generator for s in seqs],
+        )
+        accepted, bonus = tuple(result.num_accepted.tolist()), tuple(result.bonus.tolist())
+        for seq, n in zip(seqs, accepted):
+            self.target.commit(seq.seq_id, n + 1)
+        return Verified(accepted, bonus)
+
+    def plain(self, seqs: list[Sequence]) -> list[int]:
+        chunks = [chain_chunk(s.seq_id, [s.bonus], self.target.committed(s.seq_id)) for s in seqs]
+        logits = torch.cat(self.target.forward(chunks))
+        nxt = sample(processed_probs(logits, [s.params for s in seqs]), [s.generator for s in seqs])
+        for seq in seqs:
+            self.target.commit(seq.seq_id, 1)
+        return nxt.tolist()
+
+
 class TargetLoop:
     def __init__(self, target: Executor, spec: SpeculativeConfig, max_batch: int, tokenizer=None,
-                 eos_token_ids: tuple[int, ...] = (), draft: DraftClient | None = None):
+                 eos_token_ids: tuple[int, ...] = (), draft: DraftClient | None = None,
+                 verifier: Verifier | None = None):
         if spec.mode is not Mode.AR and draft is None:
             raise ValueError(f"mode {spec.mode.value!r} needs a draft rank")
         self.target = target
@@ -79,6 +148,8 @@ class TargetLoop:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.draft = draft if spec.mode is not Mode.AR else None
+        # Rounds after prefill; prefill itself always runs on ``target``.
+        self.verifier = verifier if verifier is not None else ExecutorVerifier(target, spec.k)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.finished: dict[int, Sequence] = {}
@@ -111,6 +182,7 @@ class TargetLoop:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) + speculation "
                 f"({self.spec.k + 1}) = {need} exceeds max_seq_len {self.target.max_seq_len}"
             )
+        self.verifier.check(params)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -195,11 +267,7 @@ class TargetLoop:
         if chosen and self._released:  # the draft waits for no request now: free its rows at once
             self.draft.send(P.Release(tuple(self._released)))
             self._released = []
-        chunks = [chain_chunk(s.seq_id, [s.bonus], self.target.committed(s.seq_id)) for s in seqs]
-        logits = torch.cat(self.target.forward(chunks))
-        nxt = sample(processed_probs(logits, [s.params for s in seqs]), [s.generator for s in seqs])
-        for seq, tok in zip(seqs, nxt.tolist()):
-            self.target.commit(seq.seq_id, 1)
+        for seq, tok in zip(seqs, self.verifier.plain(seqs)):
             if chosen:
                 seq.metrics.plain_rounds += 1
                 seq.outcome = dataclasses.replace(seq.outcome, plain=seq.outcome.plain + (tok,))
@@ -225,28 +293,17 @@ class TargetLoop:
             raise PeerLost("the draft answered another round")
         t1 = time.perf_counter()
         k = self.spec.k
-        chunks = [
-            Chunk(s.seq_id, *_verify_layout(s.bonus, tokens[i], self.target.committed(s.seq_id)))
-            for i, s in enumerate(seqs)
-        ]
-        logits = torch.stack(self.target.forward(chunks))  # [B, K+1, V]
-        result = verify(
-            logits, tokens.clone(), torch.full((len(seqs),), k, dtype=torch.long), probs,
-            torch.tensor(reply.point_mass, dtype=torch.bool), [s.params for s in seqs],
-            [s.generator for s in seqs],
-        )
+        result = self.verifier.verify(seqs, tokens, probs, reply.point_mass)
         t2 = time.perf_counter()
         self._last_verify_s = t2 - t1
         times = dict(verify_time_s=t2 - t1, draft_wait_time_s=t1 - t0, round_time_s=t2 - t0,
                      draft_answer_time_s=reply.answer_time_s, draft_prespec_time_s=reply.prespec_time_s)
         self.metrics.add_times(**times)
-        accepted = result.num_accepted.tolist()
-        bonus = result.bonus.tolist()
+        accepted, bonus = result.num_accepted, result.bonus
         proposals = tokens.tolist()
         total_emitted = 0
         for i, seq in enumerate(seqs):
             n = accepted[i]
-            self.target.commit(seq.seq_id, n + 1)
             seq.outcome = P.Outcome(seq.seq_id, n, bonus[i])
             emitted = self._emit(seq, proposals[i][:n] + [bonus[i]], outputs)
             total_emitted += emitted

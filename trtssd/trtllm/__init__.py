@@ -5,8 +5,9 @@
   for an engine's target and draft, written to a script and run where TensorRT-LLM is installed.
 - ``executor_target``: the target's verification through the 1.2.x Executor API with
   ``ExternalDraftTokensConfig``, and the outcome sent to the draft rank.
-- ``drafter``: a ``Drafter`` for TensorRT-LLM's PyTorch backend that asks a running trtssd draft
-  rank for its speculation.
+- ``verifier``: the target loop's rounds on that executor (``LLM(target_backend="trtllm")``).
+- ``drafter``: a ``Drafter`` for TensorRT-LLM's PyTorch backend that asks a trtssd draft rank (a
+  running one, or one it starts for itself) for its speculation.
 
 TensorRT-LLM cannot be installed on this project's machines: whatever imports ``tensorrt_llm``
 says "unverified: never run". Nothing here imports it at import time, and the logic that is

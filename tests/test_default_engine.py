@@ -1,5 +1,6 @@
 """Greedy sd and ssd equal ar token for token on the default engine (SmolLM2-135M target, int4
-self-draft), 20 prompts x 128 tokens, at batch 4 and at batch 1 (issue 5's end-to-end check)."""
+self-draft): 12 prompts x 128 tokens at batch 4, the first 4 of them again at batch 1 (issue 5's
+end-to-end check; 20 prompts at both batch sizes cost CI 8 minutes for no path the 12 miss)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from trtssd import LLM, SamplingParams
 pytestmark = [pytest.mark.slow, pytest.mark.mpi]
 
 PROMPTS_DIR = Path(__file__).parents[1] / "scripts" / "prompts"
-N_PROMPTS, N_TOKENS = 20, 128
+N_PROMPTS, N_TOKENS, N_SINGLE = 12, 128, 4
 
 
 def _prompts(n: int) -> list[str]:
@@ -50,10 +51,11 @@ def _mismatches(reference: list[list[int]], got: list[list[int]]) -> list[int]:
 def test_greedy_speculative_equals_ar_at_batch_4_and_1(mode, prompts, ar_tokens):
     with LLM(mode=mode, max_batch=4, max_seq_len=512, plain_under_load=False) as llm:
         batched = [o.token_ids for o in llm.generate(prompts, PARAMS)]
-        single = [llm.generate([p], PARAMS)[0].token_ids for p in prompts]
+        single = [llm.generate([p], PARAMS)[0].token_ids for p in prompts[:N_SINGLE]]
         summary = llm.metrics.summary()
     assert summary["degraded_rounds"] == 0 and summary["num_drafts"] > 0
     assert not _mismatches(ar_tokens, batched), f"{mode} batch 4 differs from ar on prompts {_mismatches(ar_tokens, batched)}"
-    assert not _mismatches(ar_tokens, single), f"{mode} batch 1 differs from ar on prompts {_mismatches(ar_tokens, single)}"
+    assert not _mismatches(ar_tokens[:N_SINGLE], single), \
+        f"{mode} batch 1 differs from ar on prompts {_mismatches(ar_tokens[:N_SINGLE], single)}"
     if mode == "ssd":
         assert summary["cache_hits"] > 0  # the pre-speculation path, not only backups, was verified

@@ -7,9 +7,9 @@ wheels by `trtssd build qwen2.5-coder-1.5b`.
 - Greedy sd and ssd equal greedy ar token for token (4 prompts x 32 tokens, batch 4).
 
 Bounded for CI: the ~1.6 GB download into ~/.cache/trtssd happens on the first run only (~1
-minute); the target loads three times (~30 s each) and transformers' copy once; peak memory
-~10 GB (the 1.5B target in fp32 next to the 0.5B draft; transformers' models are freed before
-ours load).
+minute); our target loads twice (the sd run's executor also gives the greedy ar reference and
+the logits: the same target that verifies) and transformers' copy once; peak memory ~10 GB (the
+1.5B target in fp32 next to the 0.5B draft; transformers' models are freed before ours load).
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ import gc
 import pytest
 import torch
 
-from trtssd import LLM, SamplingParams
+from trtssd import LLM, SamplingParams, SpeculativeConfig
 from trtssd.backends.base import Chunk, chain_chunk
 from trtssd.backends.loading import load_side
 from trtssd.build import build_engine
 from trtssd.models.catalog import QWEN_CODER_0_5B, QWEN_CODER_1_5B
 from trtssd.models.engine_dir import load_manifest
-from trtssd.models.tokenizer import load_tokenizer
+from trtssd.models.tokenizer import encode_text, load_tokenizer
+from trtssd.runtime.target_loop import TargetLoop
 
 pytestmark = [pytest.mark.slow, pytest.mark.mpi]
 
@@ -154,7 +155,7 @@ def _assert_close(ours: list[dict], reference: list[dict]) -> None:
             assert err < TOL, f"prompt {case}, {step}: max |ours - transformers| = {err:.2e}"
 
 
-# -- the target: one load for greedy ar and its logits ---------------------------------------------
+# -- the target: one load for sd, greedy ar and its logits -----------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -162,21 +163,33 @@ def target_reference(engine, cases) -> list[dict]:
     return _transformers_reference(engine, "target", cases)
 
 
+def _greedy_ar(executor, tokenizer) -> list[list[int]]:
+    """Plain greedy decoding of GREEDY_PROMPTS by a target loop of its own over ``executor``
+    (what LLM(mode="ar") runs, without loading the 1.5B again)."""
+    loop = TargetLoop(executor, SpeculativeConfig(mode="ar"), max_batch=len(GREEDY_PROMPTS))
+    ids = [loop.add_request(encode_text(tokenizer, p), GREEDY) for p in GREEDY_PROMPTS]
+    while loop.has_unfinished():
+        loop.step()
+    return [list(loop.pop_finished(i).output) for i in ids]
+
+
 @pytest.fixture(scope="module")
-def ar_run(engine, cases, target_reference) -> tuple[list[list[int]], list[dict]]:
-    """Greedy ar through the LLM, then our target logits on the same loaded executor (the 1.5B
-    loads in ~30 s: once for both). target_reference is computed first, so that transformers'
-    copy of the model is gone before ours loads."""
-    with LLM(str(engine), mode="ar", launch="local", max_batch=4, max_seq_len=256) as llm:
-        tokens = [o.token_ids for o in llm.generate(GREEDY_PROMPTS, GREEDY)]
+def sd_run(engine, cases, target_reference) -> dict:
+    """Greedy sd (the draft as its own MPI job), then greedy ar and our target logits on the same
+    loaded target executor (the 1.5B loads in ~30 s). target_reference is computed first, so that
+    transformers' copy of the model is gone before ours loads."""
+    with LLM(str(engine), mode="sd", max_batch=4, max_seq_len=256) as llm:
+        sd = [o.token_ids for o in llm.generate(GREEDY_PROMPTS, GREEDY)]
+        summary = llm.metrics.summary()
+        ar = _greedy_ar(llm.loop.target, llm.tokenizer)
         logits = _our_logits(llm.loop.target, cases)
     gc.collect()
-    assert all(len(t) == GREEDY.max_tokens for t in tokens)
-    return tokens, logits
+    assert all(len(t) == GREEDY.max_tokens for t in ar)
+    return {"sd": sd, "summary": summary, "ar": ar, "logits": logits}
 
 
-def test_target_logits_match_transformers(target_reference, ar_run):
-    _assert_close(ar_run[1], target_reference)
+def test_target_logits_match_transformers(target_reference, sd_run):
+    _assert_close(sd_run["logits"], target_reference)
 
 
 def test_draft_logits_match_transformers(engine, cases):
@@ -191,14 +204,16 @@ def test_draft_logits_match_transformers(engine, cases):
 
 
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
-def test_greedy_speculative_equals_ar(engine, ar_run, mode):
-    # The default launch (the draft as its own MPI job) also loads the two models side by side.
-    with LLM(str(engine), mode=mode, max_batch=4, max_seq_len=256) as llm:
-        tokens = [o.token_ids for o in llm.generate(GREEDY_PROMPTS, GREEDY)]
-        summary = llm.metrics.summary()
-    gc.collect()
+def test_greedy_speculative_equals_ar(engine, sd_run, mode):
+    if mode == "sd":
+        tokens, summary = sd_run["sd"], sd_run["summary"]
+    else:  # the default launch (the draft as its own MPI job) loads the two models side by side
+        with LLM(str(engine), mode=mode, max_batch=4, max_seq_len=256) as llm:
+            tokens = [o.token_ids for o in llm.generate(GREEDY_PROMPTS, GREEDY)]
+            summary = llm.metrics.summary()
+        gc.collect()
     assert summary["degraded_rounds"] == 0 and summary["num_drafts"] > 0
-    mismatches = [i for i, (a, b) in enumerate(zip(ar_run[0], tokens, strict=True)) if a != b]
+    mismatches = [i for i, (a, b) in enumerate(zip(sd_run["ar"], tokens, strict=True)) if a != b]
     assert not mismatches, f"{mode} differs from ar on prompts {mismatches}"
     assert summary["mean_acceptance_length"] > 1.5  # drafted tokens were accepted, not only bonus tokens
     if mode == "ssd":

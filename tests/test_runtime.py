@@ -194,14 +194,18 @@ def _assert_matches(counts: np.ndarray, probs: np.ndarray, label: str) -> None:
 @pytest.mark.parametrize("mode,backup", [("ssd", "neural"), ("ssd", "fast"), ("sd", "auto")])
 def test_sampled_distribution_matches_ar(tmp_path_factory, mode, backup):
     """T=0.8, top-p 0.9 over many seeds: tokens 2 and 3 (both produced by verification) have the
-    distribution of plain sampling. Vocabulary 16 so that a 0.01 bias is ~4 sigma at 8000 samples."""
+    distribution of plain sampling, through the real ranks, buffers and messages. Vocabulary 16;
+    at 5000 samples a shift of 0.03 in any token's frequency is >= 4.5 sigma (0.015 for a token of
+    probability <= 0.05). Subtler biases of the verification itself are the business of
+    test_exactness.py's 150k-row checks; a plumbing fault here (a stale or misrouted q' row)
+    shifts tokens by far more."""
     root = tmp_path_factory.mktemp("tiny16")
     target = make_tiny_llama(root / "t", seed=3, vocab=16)
     draft = make_tiny_llama(root / "d", seed=4, vocab=16, base=target, noise=0.3)
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=3)
     prompt = [1, 2, 3]
     p2, p3 = _exact_marginals(target, prompt, params)
-    n = 8000
+    n = 5000
     with LLM(target=ModelRef(str(target)), draft=ModelRef(str(draft)), mode=mode, backup=backup, k=3,
              plain_under_load=False,
              max_batch=32, max_seq_len=64) as llm:

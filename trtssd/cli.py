@@ -66,11 +66,12 @@ def _llm_options(args: argparse.Namespace) -> dict:
     return options
 
 
-DEVICE_OPTIONS = ("target_device", "draft_device", "transport")
+DEVICE_OPTIONS = ("target_device", "draft_device", "transport", "target_backend", "trtllm_engine_dir")
 
 
 def _device_options(args: argparse.Namespace) -> dict:
-    """--target-device, --draft-device, --transport as LLM options (only those given)."""
+    """--target-device, --draft-device, --transport, --target-backend, --trtllm-engine-dir as LLM
+    options (only those given)."""
     return {name: getattr(args, name) for name in DEVICE_OPTIONS if getattr(args, name) is not None}
 
 
@@ -82,6 +83,11 @@ def _add_device_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-device", default=None, help="'cpu' (default), 'cuda' or 'cuda:N' for the draft rank")
     p.add_argument("--transport", default=None, help="'auto' (default: cuda_ipc when the draft is on CUDA), 'host' "
                    "or 'cuda_ipc': how the draft's rows reach the target")
+    p.add_argument("--target-backend", default=None, choices=["torch", "trtllm"],
+                   help="what verifies rounds on the target: torch (default) or trtllm, a TensorRT-LLM engine "
+                   "(unverified: never run)")
+    p.add_argument("--trtllm-engine-dir", default=None, help="with --target-backend trtllm: the TensorRT-LLM "
+                   "target engine (`trtssd build --backend trtllm` writes its build script)")
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:

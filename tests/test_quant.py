@@ -108,6 +108,33 @@ def test_int4_linear_survives_module_dtype_casts():
     assert torch.equal(layer(x), before)
 
 
+def test_int4_linear_uses_the_fp32_weight_above_dense_rows():
+    """Many rows (prefill, wide trees) take the dequantized fp32 weight: exact to fp32, bias
+    included even when it is loaded after construction (as ``model.load_weights`` does)."""
+    raw, ref_w = _q4_1_weight(48, 128, seed=3)
+    groups = groups_from_q4_1(raw, (48, 128))
+    layer = Int4Linear(groups, torch.zeros(48), dense_above=4)
+    layer.bias.data = torch.randn(48)
+    plain = Int4Linear(groups, layer.bias.data)
+    exact_w = torch.from_numpy(ref_w).double()
+    many, few = torch.randn(2, 5, 128), torch.randn(4, 128)
+    got = layer(many)
+    exact = many.double() @ exact_w.T + layer.bias.double()
+    assert got.shape == (2, 5, 48)
+    assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(plain(many).double(), exact, rtol=1e-5, atol=1e-5)  # bf16 rounding there
+    assert torch.equal(layer(few), plain(few))  # few rows: the int4 kernel, as without dense_above
+
+
+def test_rescored_head_is_exact_everywhere_above_dense_rows():
+    groups = groups_from_float(torch.randn(64, 32))
+    weight = torch.randn(64, 32)
+    head = RescoredInt4Head(groups, weight, top_k=2, dense_above=3)
+    x = torch.randn(5, 32)
+    assert torch.allclose(head(x), x @ weight.T, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(head(x[:3]), x[:3] @ weight.T, rtol=1e-5, atol=1e-5)
+
+
 def test_groups_from_float_error_bound():
     w = torch.randn(32, 128)
     groups = groups_from_float(w)

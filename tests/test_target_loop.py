@@ -7,6 +7,8 @@ import dataclasses
 import time
 from pathlib import Path
 
+import random
+
 import pytest
 import torch
 
@@ -279,6 +281,86 @@ def test_round_chooser_runs_the_faster_mode_and_probes_the_other_less_and_less()
     assert chooser.choice(2) is False and chooser.choice(7) is None
 
 
+def _simulate(chooser, rounds, batch_of, spec_rate, plain_rate, cold_rate):
+    """Run a chooser against rates by batch size. The first two speculative rounds after a plain
+    one (a switch) or an arrival run at the cold rate and are unsteady, as the target loop
+    reports them. Returns (picks, overall tokens/s)."""
+    picks, tokens, seconds, streak, last_batch = [], 0.0, 0.0, 0, 0
+    for i in range(rounds):
+        batch = batch_of(i)
+        spec = chooser.speculate(batch)
+        if spec and batch > last_batch:
+            streak = 0  # an arrival: a new row
+        steady = streak >= 2
+        cold = not steady
+        rate = (cold_rate(batch) if cold else spec_rate(batch)) if spec else plain_rate(batch)
+        chooser.observe(spec, batch, batch, batch / rate, steady=steady or not spec)
+        streak = streak + 1 if spec else 0
+        picks.append(spec)
+        tokens, seconds, last_batch = tokens + batch, seconds + batch / rate, batch
+    return picks, tokens / seconds
+
+
+def test_the_switch_back_from_plain_rounds_does_not_make_plain_rounds_look_faster():
+    """The first speculative round after plain rounds misses and glues: slower than plain. Taken
+    as the rate of speculation, plain rounds would win for good."""
+    picks, _ = _simulate(RoundChooser(), 600, lambda i: 1, lambda b: 25.0, lambda b: 10.0, lambda b: 6.0)
+    assert sum(picks) >= 0.95 * len(picks)
+
+
+def test_unmeasured_batch_sizes_borrow_the_choice_of_their_neighbours():
+    chooser = RoundChooser()
+    for spec, rate in ((True, 5.0), (False, 9.0)):
+        chooser.observe(spec, 4, int(rate), 1.0)  # plain won at 4
+    for spec, rate in ((True, 9.0), (False, 5.0)):
+        chooser.observe(spec, 1, int(rate), 1.0)  # speculation won at 1
+    assert chooser.speculate(6) is False  # larger than a batch where plain won
+    assert chooser.speculate(2) is True  # between: no borrowed answer, so tried, speculation first
+    chooser = RoundChooser()
+    for spec, rate in ((True, 9.0), (False, 5.0)):
+        chooser.observe(spec, 3, int(rate), 1.0)
+    assert chooser.speculate(2) is True and chooser.choice(2) is None
+
+
+def test_a_stream_of_unsteady_rounds_is_measured_when_it_is_all_there_is():
+    chooser = RoundChooser(max_unsteady=3)
+    for _ in range(2):
+        chooser.observe(True, 4, 4, 1.0, steady=False)
+    assert chooser.rate(True, 4) is None
+    chooser.observe(True, 4, 4, 1.0, steady=False)
+    assert chooser.rate(True, 4) == 4.0
+
+
+@pytest.mark.parametrize("dwell", [2, 4, 12])
+def test_under_changing_batch_sizes_the_chooser_stays_near_the_faster_mode(dwell):
+    """Serving: requests come and go, so the batch size walks up and down every few rounds.
+    Speculation wins below 3 rows, plain rounds above. The chooser's throughput stays within
+    10% of the better of always speculating, never speculating, and switching at the crossover
+    (which pays every switch)."""
+    rng = random.Random(dwell)
+    sizes = [4]
+    for _ in range(1200):
+        sizes.append(min(8, max(1, sizes[-1] + rng.choice((-1, 1)))))
+    batch_of = lambda i: sizes[i // dwell]  # noqa: E731
+    spec_rate, plain_rate = (lambda b: 20.0 + 2 * b), (lambda b: 8.0 + 6 * b)
+    cold_rate = lambda b: spec_rate(b) / 2  # noqa: E731
+    _, got = _simulate(RoundChooser(), 1200, batch_of, spec_rate, plain_rate, cold_rate)
+    fixed = [_simulate(_Fixed(rule), 1200, batch_of, spec_rate, plain_rate, cold_rate)[1]
+             for rule in (lambda b: True, lambda b: False, lambda b: b < 3)]
+    assert got >= 0.9 * max(fixed), (got, fixed)
+
+
+class _Fixed:
+    def __init__(self, rule):
+        self.rule = rule
+
+    def speculate(self, batch):
+        return self.rule(batch)
+
+    def observe(self, *args, **kwargs):
+        pass
+
+
 class _Alternate:
     """A chooser that alternates speculative and plain rounds (or always plain)."""
 
@@ -289,7 +371,7 @@ class _Alternate:
         self.i += 1
         return self.pattern[self.i % len(self.pattern)]
 
-    def observe(self, *args):
+    def observe(self, *args, **kwargs):
         pass
 
 

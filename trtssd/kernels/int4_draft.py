@@ -28,7 +28,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("int4_draft.cpp")
-DEFAULT_MAX_TOKENS = 32  # forwards up to this many tokens take the fused path (break-even ~48 here; docs/draft.md)
+# Forwards up to this many tokens take the fused path; wider ones the torch layers, whose
+# projections switch to fp32 GEMMs above the same row count (models.quant.DENSE_ABOVE_ROWS; docs/draft.md).
+DEFAULT_MAX_TOKENS = 16
 
 
 @functools.lru_cache(maxsize=1)

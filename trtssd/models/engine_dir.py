@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from trtssd.kernels.int4_draft import FusedInt4Layers
 from trtssd.models.config import ModelConfig
 from trtssd.models.llama import LlamaModel
-from trtssd.models.quant import Int4Groups, quantize_linears, unpack_nibbles
+from trtssd.models.quant import DENSE_ABOVE_ROWS, Int4Groups, quantize_linears, unpack_nibbles
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def load_draft_model(engine_dir: str | os.PathLike, manifest: Mapping[str, Any] 
     device = torch.device(device)
     if device.type != "cpu":
         return _dequantized_draft(cfg, groups, params, device)
-    quantize_linears(model, groups, head_top_k=draft["head_top_k"])
+    quantize_linears(model, groups, head_top_k=draft["head_top_k"], dense_above=DENSE_ABOVE_ROWS)
     model.load_weights(params)
     if fused:
         _attach_fused_layers(model)

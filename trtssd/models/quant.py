@@ -16,6 +16,13 @@ Precision: the kernel is fast only with bf16 activations (fp32 and fp16 inputs t
 So an ``Int4Linear`` computes bf16(x) @ W'.T with W' built from bf16-rounded scales and zeros,
 accumulating in fp32 and rounding the output to bf16. The codes are exact; the rest is bf16
 rounding, the same class of error as running the layer in bf16.
+
+Many rows (a prefill, a wide tree step): the int4 kernel is a matrix-vector kernel at heart, and
+on a CPU without fast bf16 it loses to an fp32 GEMM beyond a handful of rows (on the 2-core AMD
+EPYC here, one 576x1536 projection of 150 rows: 8.4 ms int4, 3.9 ms fp32; equal at 6 rows). So
+layers built with ``dense_above`` also keep the dequantized fp32 weight and use it for forwards
+of more rows than that. The draft's distribution then depends slightly on how many rows share a
+forward, which exactness does not mind: every proposal is verified against the q it was drawn from.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from trtssd.models.config import ModelConfig
-from trtssd.models.llama import LlamaModel
+from trtssd.models.llama import Linear, LlamaModel
 from trtssd.models.loader import GGUFFile, GGUFTensor, gguf_sources, unpermute_rows
 
 logger = logging.getLogger(__name__)
@@ -41,6 +48,7 @@ Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
 COMPUTE_DTYPE = torch.bfloat16  # the only activation dtype with a fast CPU int4 kernel
 _N_MULTIPLE = 16  # the packing op requires out_features % 16 == 0
 _INNER_K_TILES = 2  # layout hint of the packing op; the CPU kernel's speed does not depend on it
+DENSE_ABOVE_ROWS = 16  # forwards of more rows use the fp32 weight (module docstring; docs/draft.md)
 
 
 @dataclass(frozen=True)
@@ -157,11 +165,14 @@ class Int4Linear(nn.Module):
 
     Accepts any float input dtype [..., K]; computes in bf16 (see module docstring) and returns
     the input dtype. in_features must be a multiple of 32; out_features is padded internally to
-    the kernel's multiple of 16 (the padding rows are zero and sliced off).
+    the kernel's multiple of 16 (the padding rows are zero and sliced off). ``dense_above``:
+    forwards of more rows than this use the dequantized fp32 weight (module docstring).
     """
 
-    def __init__(self, groups: Int4Groups, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, groups: Int4Groups, bias: torch.Tensor | None = None, dense_above: int | None = None) -> None:
         super().__init__()
+        self.dense_above = dense_above
+        self.dense = None if dense_above is None else _dense_linear(groups)
         self.out_features, self.in_features = groups.shape
         padded = _pad_rows(groups, _N_MULTIPLE)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(padded.codes.to(torch.int32), _INNER_K_TILES)
@@ -184,12 +195,15 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        # One call per projection per token: the fast path is kept to three aten calls.
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            flat.to(COMPUTE_DTYPE).contiguous(), self.packed, GROUP_SIZE, self.scale_zeros
-        )
-        if self._padded:
-            y = y[:, : self.out_features]
+        if self.dense is not None and flat.shape[0] > self.dense_above:
+            y = self.dense(flat.float())
+        else:
+            # One call per projection per token: the fast path is kept to three aten calls.
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                flat.to(COMPUTE_DTYPE).contiguous(), self.packed, GROUP_SIZE, self.scale_zeros
+            )
+            if self._padded:
+                y = y[:, : self.out_features]
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
@@ -197,6 +211,16 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={GROUP_SIZE}"
+
+
+def _dense_linear(groups: Int4Groups) -> Linear:
+    """The dequantized fp32 projection (no bias: the caller adds its own), in oneDNN's layout
+    where it applies (then without a plain copy)."""
+    out_features, in_features = groups.shape
+    dense = Linear(in_features, out_features, bias=False)
+    dense.weight.data = groups.dequantize()
+    dense.pack(keep_plain=False)
+    return dense
 
 
 class RescoredInt4Head(nn.Module):
@@ -211,8 +235,9 @@ class RescoredInt4Head(nn.Module):
     verification, so exactness of speculative decoding is unaffected.
     """
 
-    def __init__(self, groups: Int4Groups, weight: torch.Tensor, top_k: int = 16) -> None:
+    def __init__(self, groups: Int4Groups, weight: torch.Tensor, top_k: int = 16, dense_above: int | None = None) -> None:
         super().__init__()
+        self.dense_above = dense_above  # more rows than this: every logit exact from ``weight``
         if not isinstance(top_k, int) or not 0 <= top_k <= groups.shape[0]:
             raise ValueError(f"top_k must be an int in [0, {groups.shape[0]}], got {top_k!r}")
         if tuple(weight.shape) != groups.shape:
@@ -225,6 +250,9 @@ class RescoredInt4Head(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
+        if self.dense_above is not None and flat.shape[0] > self.dense_above:
+            logits = nn.functional.linear(flat.to(self.weight.dtype), self.weight).to(flat.dtype)
+            return logits.reshape(*lead, self.out_features)
         logits = self.int4(flat)
         if self.top_k:
             top = logits.topk(self.top_k, dim=-1).indices  # [N, k]
@@ -271,10 +299,12 @@ def gguf_linear_groups(gguf: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, 
         yield name, concat_groups(parts), exact
 
 
-def quantize_linears(model: LlamaModel, groups: Mapping[str, Int4Groups], head_top_k: int = 16) -> LlamaModel:
+def quantize_linears(model: LlamaModel, groups: Mapping[str, Int4Groups], head_top_k: int = 16,
+                     dense_above: int | None = None) -> LlamaModel:
     """Swap the model's projections for 4-bit ones in place: ``Int4Linear`` for every layer,
     ``RescoredInt4Head`` for ``lm_head``. Biases and the head's exact weight are kept as
-    parameters (still to be filled by ``model.load_weights``). Every projection must be given."""
+    parameters (still to be filled by ``model.load_weights``). Every projection must be given.
+    ``dense_above``: see ``Int4Linear`` (None: int4 at every row count)."""
     current = dict(model.linears())
     if set(groups) != set(current):
         missing, unexpected = set(current) - set(groups), set(groups) - set(current)
@@ -284,9 +314,9 @@ def quantize_linears(model: LlamaModel, groups: Mapping[str, Int4Groups], head_t
         if (module.out_features, module.in_features) != g.shape:
             raise ValueError(f"{name}: model shape {(module.out_features, module.in_features)} != 4-bit shape {g.shape}")
         if name == "lm_head":
-            new: nn.Module = RescoredInt4Head(g, torch.empty(g.shape), head_top_k)
+            new: nn.Module = RescoredInt4Head(g, torch.empty(g.shape), head_top_k, dense_above)
         else:
-            new = Int4Linear(g, getattr(module, "bias", None))
+            new = Int4Linear(g, getattr(module, "bias", None), dense_above)
         model.set_linear(name, new)
     logger.debug("quantized %d projections to int4", len(current))
     return model

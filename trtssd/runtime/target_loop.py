@@ -37,6 +37,8 @@ from trtssd.spec_decode.verify import verify
 
 log = logging.getLogger(__name__)
 
+STEADY_AFTER_ROUNDS = 2  # a row's first speculative rounds (after admission or plain ones) are transitional
+
 
 @dataclass
 class Sequence:
@@ -54,6 +56,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     on_draft: bool = False  # the draft rank knows this sequence
+    spec_streak: int = 0  # speculative rounds in a row (since admission or the last plain round)
 
     @property
     def text(self) -> str:
@@ -268,6 +271,7 @@ class TargetLoop:
             self.draft.send(P.Release(tuple(self._released)))
             self._released = []
         for seq, tok in zip(seqs, self.verifier.plain(seqs)):
+            seq.spec_streak = 0
             if chosen:
                 seq.metrics.plain_rounds += 1
                 seq.outcome = dataclasses.replace(seq.outcome, plain=seq.outcome.plain + (tok,))
@@ -281,6 +285,9 @@ class TargetLoop:
         seqs = [s for s in self.running if s.on_draft]
         if len(seqs) != len(self.running):
             raise PeerLost("some sequences are unknown to the draft")
+        # A row's first speculative rounds (after admission or plain rounds) miss, glue, and
+        # wait for pre-speculation to catch up: not the steady rate of speculation.
+        steady = all(s.spec_streak >= STEADY_AFTER_ROUNDS for s in seqs)
         t0 = time.perf_counter()
         buffer = self._round % 2
         req = P.SpeculateRequest(self._round, tuple(s.outcome for s in seqs), buffer, self._last_verify_s,
@@ -311,7 +318,8 @@ class TargetLoop:
             seq.metrics.record_round(k, min(n, emitted), reply.sources[i])
             seq.metrics.add_times(**times)
             seq.metrics.tree_branches += reply.tree_branches
-        self.chooser.observe(True, len(seqs), total_emitted, time.perf_counter() - t0)
+            seq.spec_streak += 1
+        self.chooser.observe(True, len(seqs), total_emitted, time.perf_counter() - t0, steady=steady)
 
     # --- emission and stops ------------------------------------------------------------------
 

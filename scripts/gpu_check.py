@@ -380,11 +380,13 @@ def mpi_launch_available() -> dict:
     """Whether the draft rank can be its own MPI process here (mpi4py and an mpiexec)."""
     try:
         from trtssd.runtime.draft_link import _mpiexec
-        from trtssd.runtime.transport import MPI
+        from trtssd.runtime.transport import require_mpi
 
-        if MPI is None:
+        try:
+            mpi = require_mpi("the spawn launch")
+        except RuntimeError:
             return {"available": False, "why": "mpi4py (or its MPI library) cannot be imported"}
-        return {"available": True, "mpiexec": _mpiexec(), "mpi": MPI.Get_library_version().splitlines()[0]}
+        return {"available": True, "mpiexec": _mpiexec(), "mpi": mpi.Get_library_version().splitlines()[0]}
     except Exception as exc:  # noqa: BLE001 - reported
         return {"available": False, "why": repr(exc)[:300]}
 

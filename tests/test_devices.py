@@ -30,7 +30,7 @@ from trtssd.models.engine_dir import _dequantized_draft
 from trtssd.models.llama import LlamaModel
 from trtssd.models.quant import groups_from_float
 from trtssd.runtime.draft_link import _mpiexec
-from trtssd.runtime.transport import MPI
+from trtssd.runtime.transport import require_mpi
 from trtssd.triton.model_options import ModelOptions
 from trtssd.triton.repository import write_repository
 
@@ -272,7 +272,8 @@ def test_local_launch_needs_no_mpi4py(tiny):
 
 def _mpi_available() -> bool:
     try:
-        return MPI is not None and bool(_mpiexec())
+        require_mpi("the spawn launch")
+        return bool(_mpiexec())
     except RuntimeError:
         return False
 

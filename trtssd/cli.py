@@ -289,9 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command in ("generate", "serve") and args.launch == "world":
-        from mpi4py import MPI
+        from trtssd.runtime.transport import require_mpi
 
-        world = MPI.COMM_WORLD
+        world = require_mpi("launch='world'").COMM_WORLD
         if world.Get_size() > 1 and world.Get_rank() == world.Get_size() - 1:
             from trtssd.runtime.draft_rank import serve
 

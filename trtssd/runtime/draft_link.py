@@ -30,13 +30,17 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from trtssd.config import ModelRef, RuntimeConfig, SpeculativeConfig, Transport
 from trtssd.runtime import protocol as P
 from trtssd.runtime.cuda_ipc import CudaIpcBuffers
-from trtssd.runtime.transport import MPI, Channel, PeerLost, RoundBuffers, SharedBuffers, require_mpi
+from trtssd.runtime.transport import Channel, PeerLost, RoundBuffers, SharedBuffers, require_mpi
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +234,8 @@ class DraftLink:
     @classmethod
     def spawn(cls, draft_model: ModelRef, spec: SpeculativeConfig, runtime: RuntimeConfig, vocab_size: int,
               max_seq_len: int, start_timeout_s: float = 300.0) -> "DraftLink":
-        port = require_mpi("launch='spawn'").Open_port()
+        mpi = require_mpi("launch='spawn'")
+        port = mpi.Open_port()
         env = dict(os.environ)
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         level = logging.getLevelName(logging.getLogger("trtssd").getEffectiveLevel())
@@ -240,7 +245,7 @@ class DraftLink:
         link = None
         try:
             inter = _accept(port, job, start_timeout_s)  # closes the port when it fails
-            MPI.Close_port(port)
+            mpi.Close_port(port)
             job.record()  # the rank is past MPI_Init: its MPICH segment exists
             link = cls(inter.Merge(high=False), 1, job, spec.draft_timeout_s)
             link._inter = inter
@@ -373,10 +378,11 @@ def _layout(runtime: RuntimeConfig, spec: SpeculativeConfig, vocab_size: int) ->
 def _accept(port: str, job: DraftJob, timeout_s: float) -> MPI.Intercomm:
     """Accept the draft's connection; fail clearly if it exits or takes too long."""
     result: dict = {}
+    mpi = require_mpi("launch='spawn'")
 
     def accept() -> None:
         try:
-            result["comm"] = MPI.COMM_SELF.Accept(port)
+            result["comm"] = mpi.COMM_SELF.Accept(port)
         except Exception as err:  # noqa: BLE001 - reported below
             result["error"] = err
 
@@ -395,7 +401,7 @@ def _accept(port: str, job: DraftJob, timeout_s: float) -> MPI.Intercomm:
     job.end()  # nothing of that job may connect from here on
     if thread.is_alive():
         _release_accept(port, thread)
-    MPI.Close_port(port)
+    mpi.Close_port(port)
     raise RuntimeError(failure or f"draft rank connection failed: {result['error']}")
 
 

@@ -11,8 +11,7 @@ import argparse
 import logging
 import os
 import time
-
-from mpi4py import MPI
+from typing import TYPE_CHECKING
 
 from trtssd.config import Transport
 from trtssd.devices import resolve_device
@@ -20,7 +19,10 @@ from trtssd.runtime import protocol as P
 from trtssd.runtime.affinity import pin
 from trtssd.runtime.cuda_ipc import CudaIpcBuffers
 from trtssd.runtime.draft_server import DraftServer, load_worker
-from trtssd.runtime.transport import Channel, RoundBuffers, SharedBuffers
+from trtssd.runtime.transport import Channel, RoundBuffers, SharedBuffers, require_mpi
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         from trtssd.runtime.draft_link import end_with_target
 
         end_with_target(args.target_pid)  # a target killed before it could shut us down
-    inter = MPI.COMM_SELF.Connect(args.port)
+    inter = require_mpi("the draft rank").COMM_SELF.Connect(args.port)
     comm = inter.Merge(high=True)
     serve(comm, target_rank=0)
     comm.Free()

@@ -23,26 +23,34 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
-try:  # MPI carries the two-rank launches only: LLM(launch="local") runs without mpi4py
-    from mpi4py import MPI
-except ImportError:  # e.g. a GPU machine with torch and triton alone
-    MPI = None
-
 from trtssd.config import Transport
 from trtssd.runtime.protocol import BufferLayout
+
+if TYPE_CHECKING:  # the real module only through require_mpi: importing it runs MPI_Init
+    from mpi4py import MPI
 
 log = logging.getLogger(__name__)
 
 
 def require_mpi(what: str):
-    """The mpi4py MPI module, or a clear error saying what needed it."""
-    if MPI is None:
+    """The mpi4py MPI module, or a clear error saying what needed it.
+
+    Imported here, by the launches that talk MPI ("spawn", "world", the draft rank), never at
+    module import: importing it runs MPI_Init, and MPICH's MPI_Init creates a /dev/shm segment
+    that only MPI_Finalize removes, so a killed launch="local" process (no MPI needed, mpi4py
+    optional) would leave it behind. mpi4py's defaults stay as they were: THREAD_MULTIPLE (a
+    pending MPI accept runs on its own thread, draft_link) and MPI_Finalize at exit; and a user
+    script's own ``from mpi4py import MPI`` still initialises MPI as it always did.
+    """
+    try:
+        from mpi4py import MPI
+    except ImportError as err:  # e.g. a GPU machine with torch and triton alone
         raise RuntimeError(f"{what} needs mpi4py and an MPI library (pip install mpi4py mpich); "
-                           "launch='local' runs the draft in this process without them")
+                           "launch='local' runs the draft in this process without them") from err
     return MPI
 
 

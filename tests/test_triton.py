@@ -178,6 +178,30 @@ def test_metrics_are_the_openai_servers_and_count_a_request():
     assert value[("trtssd:overlap_efficiency", base)].observed == [0.5]
 
 
+def test_triton_and_the_openai_server_count_the_same():
+    """Both apply the catalog's additions: every Triton series ends with the registry's total."""
+    FakeFamily.made = []
+    triton = triton_metrics.TritonMetrics(SimpleNamespace(MetricFamily=FakeFamily), "m", k=3)
+    server = ServerMetrics("m", 3)
+    spec = SpecMetrics(num_drafts=2, num_draft_tokens=6, num_accepted_tokens=4, accepted_per_position=[2, 2, 0],
+                       cache_hits=1, cache_misses=1, accepted_on_hit=3, accepted_on_miss=1, fast_backups=1,
+                       tree_branches=5, round_time_s=2.0, verify_time_s=1.5)
+    for record in (FinishedRequest("r", 7, (1, 2, 3), "abc", "stop", 0.1, 0.9, (0.2, 0.3), spec),
+                   FinishedRequest("a", 3, (), "", "abort", None, 0.05, (), SpecMetrics())):
+        triton.observe(record)
+        server.observe(record)
+    sample = server.registry.get_sample_value
+    series = [(f, x) for f in FakeFamily.made for x in f.metrics]
+    for family, metric in series:
+        if family.kind == FakeFamily.HISTOGRAM:
+            assert sample(family.name + "_count", metric.labels) == len(metric.observed), family.name
+            assert sample(family.name + "_sum", metric.labels) == sum(metric.observed), family.name
+        elif family.kind == FakeFamily.COUNTER:
+            assert sample(family.name, metric.labels) == metric.value, (family.name, metric.labels)
+    # 12 unlabelled; 3 positions, 2 backups, 2 finish reasons (stop, abort)
+    assert sum(family.kind == FakeFamily.COUNTER for family, _ in series) == 12 + 3 + 2 + 2
+
+
 # --- one real server ------------------------------------------------------------------------------
 
 def server_test(test):

@@ -3,7 +3,8 @@
     async_engine       the target loop in its own thread; requests join and leave between rounds
     openai_requests    OpenAI request bodies -> token ids + SamplingParams (or a clear 4xx)
     openai_responses   OpenAI response bodies and SSE chunks
-    prometheus_metrics vLLM-named (and trtssd:) Prometheus metrics of one server
+    metric_catalog     every metric's name, kind and buckets, and what a finished request adds
+    prometheus_metrics vLLM-named (and trtssd:) Prometheus metrics of one server, from the catalog
     openai_server      the FastAPI routes
     uvicorn_runner     the server on a real socket, in the foreground or a background thread
 

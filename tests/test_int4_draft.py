@@ -1,6 +1,8 @@
 """The compiled int4 draft layers (trtssd/kernels/int4_draft.cpp) against the torch layers they
 stand in for, and against the dequantized fp32 model, through the executor protocol."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,10 +19,14 @@ CFG = ModelConfig(
 )
 
 
-def _fused_pair(max_tokens: int = 8):
+# Qwen2's q/k/v biases, and Llama's attention_bias on the output projection too.
+CFG_BIASED = dataclasses.replace(CFG, qkv_bias=True, o_bias=True)
+
+
+def _fused_pair(max_tokens: int = 8, cfg: ModelConfig = CFG):
     """(int4 executor with fused layers, int4 executor without, fp32 reference): same weights."""
-    fused, ref = tiny_int4_pair(CFG, seed=1)
-    plain, _ = tiny_int4_pair(CFG, seed=1)
+    fused, ref = tiny_int4_pair(cfg, seed=1)
+    plain, _ = tiny_int4_pair(cfg, seed=1)
     fused.model.fused_layers = FusedInt4Layers.from_model(fused.model, max_tokens=max_tokens)
     return fused, plain, ref
 
@@ -55,9 +61,9 @@ def _scenario(ex) -> list[torch.Tensor]:
     return outs
 
 
-@pytest.fixture(scope="module")
-def runs():
-    fused, plain, ref = _fused_pair()
+@pytest.fixture(scope="module", params=[CFG, CFG_BIASED], ids=["no-bias", "biased"])
+def runs(request):
+    fused, plain, ref = _fused_pair(cfg=request.param)
     return _scenario(fused), _scenario(plain), _scenario(ref), (fused, plain)
 
 

@@ -52,6 +52,9 @@ def tiny_int4_pair(cfg, top_k: int = 0, seed: int = 0, **executor_options):
     for i in range(cfg.num_layers):
         for norm in ("attn_norm", "mlp_norm"):
             plain[f"layers.{i}.{norm}.weight"] = 1 + 0.1 * torch.randn(cfg.hidden_size, generator=gen)
+    for name, m in ref.linears():
+        if getattr(m, "bias", None) is not None:
+            plain[f"{name}.bias"] = 0.5 * torch.randn(m.out_features, generator=gen)
     dequantized = {f"{name}.weight": g.dequantize() for name, g in groups.items()}
     ref.load_weights({**plain, **dequantized})
     draft = quantize_linears(LlamaModel(cfg), groups, head_top_k=top_k)

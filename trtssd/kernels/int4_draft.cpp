@@ -34,14 +34,16 @@ void rms_norm_bf16(const float* x, const float* w, BFloat16* out, int64_t rows, 
   }
 }
 
-// x[t, 0:n] += float(y[t, 0:n]) with y's row stride `stride`
-void add_bf16(float* x, const BFloat16* y, int64_t rows, int64_t n, int64_t stride) {
+// x[t, 0:n] += float(y[t, 0:n]) (+ bias[0:n], fp32, when given) with y's row stride `stride`
+void add_bf16(float* x, const BFloat16* y, int64_t rows, int64_t n, int64_t stride, const at::Tensor& bias) {
+  const float* b = bias.numel() > 0 ? bias.data_ptr<float>() : nullptr;
   for (int64_t t = 0; t < rows; ++t)
-    for (int64_t i = 0; i < n; ++i) x[t * n + i] += static_cast<float>(y[t * stride + i]);
+    for (int64_t i = 0; i < n; ++i) x[t * n + i] += static_cast<float>(y[t * stride + i]) + (b ? b[i] : 0.f);
 }
 
 // Half-split rotation of one head: out = v * cos + rotate_half(v) * sin (sin table signed).
-void rope(const BFloat16* v, const float* cos, const float* sin, float* out, int64_t d) {
+template <typename T>
+void rope(const T* v, const float* cos, const float* sin, float* out, int64_t d) {
   const int64_t half = d / 2;
   for (int64_t i = 0; i < d; ++i) {
     const float partner = static_cast<float>(v[i < half ? i + half : i - half]);
@@ -53,6 +55,15 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   return at::_weight_int4pack_mm_for_cpu(x, packed, kGroupSize, scale_zeros);
 }
 
+// float(y) + bias in fp32, as the torch layers compute a biased projection (Qwen2's q/k/v, or
+// gate|up); the bias is fp32 [n], n up to the kernel's padded width. (Projections added to the
+// residual stream take their bias there, in add_bf16.)
+at::Tensor add_bias(const at::Tensor& y, const at::Tensor& bias) {
+  at::Tensor out = y.to(at::kFloat);
+  out.narrow(1, 0, bias.size(0)).add_(bias);
+  return out;
+}
+
 struct Shape {
   int64_t tokens, hidden, heads, kv_heads, head_dim, key_len;
   int64_t pool_heads_stride, pool_slot_stride, pool_row_stride;
@@ -60,12 +71,13 @@ struct Shape {
 
 // Write every token's rotated K and its V into the pools (before any token attends: tokens of
 // one forward see each other's slots as their masks allow).
-void write_kv(const Shape& s, const BFloat16* qkv, int64_t qkv_stride, const float* cos, const float* sin,
+template <typename T>
+void write_kv(const Shape& s, const T* qkv, int64_t qkv_stride, const float* cos, const float* sin,
               const int64_t* rows, const int64_t* slots, float* kc, float* vc) {
   const int64_t D = s.head_dim, q_width = s.heads * D;
   for (int64_t t = 0; t < s.tokens; ++t) {
-    const BFloat16* k = qkv + t * qkv_stride + q_width;
-    const BFloat16* v = k + s.kv_heads * D;
+    const T* k = qkv + t * qkv_stride + q_width;
+    const T* v = k + s.kv_heads * D;
     for (int64_t g = 0; g < s.kv_heads; ++g) {
       const int64_t at = rows[t] * s.pool_row_stride + g * s.pool_heads_stride + slots[t] * s.pool_slot_stride;
       rope(k + g * D, cos + t * D, sin + t * D, kc + at, D);
@@ -75,7 +87,8 @@ void write_kv(const Shape& s, const BFloat16* qkv, int64_t qkv_stride, const flo
 }
 
 // out[t, h*D:(h+1)*D] = softmax(q_h . K^T * scale over visible keys) V, written as bf16.
-void attend(const Shape& s, const BFloat16* qkv, int64_t qkv_stride, const float* cos, const float* sin,
+template <typename T>
+void attend(const Shape& s, const T* qkv, int64_t qkv_stride, const float* cos, const float* sin,
             const int64_t* rows, const bool* visible, const float* kc, const float* vc, float scale,
             BFloat16* out) {
   const int64_t D = s.head_dim, G = s.heads / s.kv_heads, L = s.key_len;
@@ -122,15 +135,27 @@ void attend(const Shape& s, const BFloat16* qkv, int64_t qkv_stride, const float
 }
 
 // bf16(silu(gate) * up) from the fused gate|up projection output.
-void silu_mul(const BFloat16* gu, int64_t stride, int64_t rows, int64_t n, BFloat16* out) {
+template <typename T>
+void silu_mul(const T* gu, int64_t stride, int64_t rows, int64_t n, BFloat16* out) {
   for (int64_t t = 0; t < rows; ++t) {
-    const BFloat16* g = gu + t * stride;
-    const BFloat16* u = g + n;
+    const T* g = gu + t * stride;
+    const T* u = g + n;
     for (int64_t i = 0; i < n; ++i) {
       const float gf = static_cast<float>(g[i]);
       out[t * n + i] = BFloat16(gf / (1.f + std::exp(-gf)) * static_cast<float>(u[i]));
     }
   }
+}
+
+// Write the forward's K/V into the pools, then attend: qkv as the projection left it (bf16, or
+// fp32 once a bias was added).
+template <typename T>
+void attention(const Shape& s, const T* qkv, int64_t qkv_stride, const float* cos, const float* sin,
+               const int64_t* rows, const int64_t* slots, const bool* visible, const at::Tensor& kc,
+               const at::Tensor& vc, float scale, at::Tensor& out) {
+  write_kv(s, qkv, qkv_stride, cos, sin, rows, slots, kc.data_ptr<float>(), vc.data_ptr<float>());
+  attend(s, qkv, qkv_stride, cos, sin, rows, visible, kc.data_ptr<float>(), vc.data_ptr<float>(), scale,
+         out.data_ptr<BFloat16>());
 }
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "int4 draft layers: ", what); }
@@ -139,18 +164,21 @@ void check(bool ok, const char* what) { TORCH_CHECK(ok, "int4 draft layers: ", w
 
 // x: [T, hidden] fp32, updated in place and returned. Per layer l: norms[2l] / norms[2l+1]
 // (attention / MLP RMSNorm weights, fp32), packed[4l..4l+3] and scale_zeros[4l..4l+3] for the
-// qkv, o, gate|up and down projections (aten int4 pack, bf16 scale/zero), k_pools[l] / v_pools[l]
+// qkv, o, gate|up and down projections (aten int4 pack, bf16 scale/zero), biases[4l..4l+3] their
+// fp32 biases (empty for none), k_pools[l] / v_pools[l]
 // [rows, Hkv, max_len, D] fp32. cos/sin [T, D] fp32 (sin signed as in apply_rope), rows/slots [T]
 // int64, visible [T, key_len] bool.
 at::Tensor decoder_layers(at::Tensor x, const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& packed,
-                          const std::vector<at::Tensor>& scale_zeros, const std::vector<at::Tensor>& k_pools,
+                          const std::vector<at::Tensor>& scale_zeros, const std::vector<at::Tensor>& biases,
+                          const std::vector<at::Tensor>& k_pools,
                           const std::vector<at::Tensor>& v_pools, const at::Tensor& cos, const at::Tensor& sin,
                           const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& visible, int64_t heads,
                           int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scale) {
   const int64_t layers = static_cast<int64_t>(k_pools.size());
   check(x.dtype() == at::kFloat && x.is_contiguous() && x.dim() == 2, "x must be contiguous fp32 [T, hidden]");
   check(static_cast<int64_t>(norms.size()) == 2 * layers && static_cast<int64_t>(packed.size()) == 4 * layers &&
-            static_cast<int64_t>(scale_zeros.size()) == 4 * layers && static_cast<int64_t>(v_pools.size()) == layers,
+            static_cast<int64_t>(scale_zeros.size()) == 4 * layers && static_cast<int64_t>(biases.size()) == 4 * layers &&
+            static_cast<int64_t>(v_pools.size()) == layers,
         "weights must come as 2 norms and 4 projections per layer");
   check(cos.is_contiguous() && sin.is_contiguous() && cos.dtype() == at::kFloat && sin.dtype() == at::kFloat,
         "cos/sin must be contiguous fp32 [T, D]");
@@ -186,18 +214,25 @@ at::Tensor decoder_layers(at::Tensor x, const std::vector<at::Tensor>& norms, co
           "KV pools must be fp32 with one layout");
     rms_norm_bf16(xp, norms[2 * l].data_ptr<float>(), normed.data_ptr<BFloat16>(), T, H, eps_f);
     at::Tensor qkv = int4_mm(normed, packed[4 * l], scale_zeros[4 * l]);
-    const BFloat16* qkvp = qkv.data_ptr<BFloat16>();
-    write_kv(s, qkvp, qkv.size(1), cp, sp, rp, slp, kc.data_ptr<float>(), vc.data_ptr<float>());
-    attend(s, qkvp, qkv.size(1), cp, sp, rp, vp, kc.data_ptr<float>(), vc.data_ptr<float>(), scale_f,
-           attn.data_ptr<BFloat16>());
+    if (biases[4 * l].numel() > 0) {
+      qkv = add_bias(qkv, biases[4 * l]);
+      attention(s, qkv.data_ptr<float>(), qkv.size(1), cp, sp, rp, slp, vp, kc, vc, scale_f, attn);
+    } else {
+      attention(s, qkv.data_ptr<BFloat16>(), qkv.size(1), cp, sp, rp, slp, vp, kc, vc, scale_f, attn);
+    }
     at::Tensor o = int4_mm(attn, packed[4 * l + 1], scale_zeros[4 * l + 1]);
-    add_bf16(xp, o.data_ptr<BFloat16>(), T, H, o.size(1));
+    add_bf16(xp, o.data_ptr<BFloat16>(), T, H, o.size(1), biases[4 * l + 1]);
 
     rms_norm_bf16(xp, norms[2 * l + 1].data_ptr<float>(), normed.data_ptr<BFloat16>(), T, H, eps_f);
     at::Tensor gu = int4_mm(normed, packed[4 * l + 2], scale_zeros[4 * l + 2]);
-    silu_mul(gu.data_ptr<BFloat16>(), gu.size(1), T, intermediate, act.data_ptr<BFloat16>());
+    if (biases[4 * l + 2].numel() > 0) {
+      gu = add_bias(gu, biases[4 * l + 2]);
+      silu_mul(gu.data_ptr<float>(), gu.size(1), T, intermediate, act.data_ptr<BFloat16>());
+    } else {
+      silu_mul(gu.data_ptr<BFloat16>(), gu.size(1), T, intermediate, act.data_ptr<BFloat16>());
+    }
     at::Tensor down = int4_mm(act, packed[4 * l + 3], scale_zeros[4 * l + 3]);
-    add_bf16(xp, down.data_ptr<BFloat16>(), T, H, down.size(1));
+    add_bf16(xp, down.data_ptr<BFloat16>(), T, H, down.size(1), biases[4 * l + 3]);
   }
   return x;
 }

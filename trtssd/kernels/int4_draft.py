@@ -76,8 +76,6 @@ def ineligible_reason(model) -> str | None:
         # by class, so that kernels stay below the model code that uses them.
         if not (hasattr(module, "packed") and hasattr(module, "scale_zeros")):
             return f"{name} is {type(module).__name__}, not Int4Linear (no packed int4 weights)"
-        if module.bias is not None:
-            return f"{name} has a bias, not implemented in the fused layers"
     return None
 
 
@@ -92,6 +90,7 @@ class FusedInt4Layers:
     norms: list[torch.Tensor]
     packed: list[torch.Tensor]
     scale_zeros: list[torch.Tensor]
+    biases: list[torch.Tensor]  # fp32, empty for a projection without one
     heads: int
     kv_heads: int
     head_dim: int
@@ -110,13 +109,14 @@ class FusedInt4Layers:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
         load_extension()
         cfg = model.config
-        norms, packed, scale_zeros = [], [], []
+        norms, packed, scale_zeros, biases = [], [], [], []
         for layer in model.layers:
             norms += [layer.attn_norm.weight.data, layer.mlp_norm.weight.data]
             for proj in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down):
                 packed.append(proj.packed)
                 scale_zeros.append(proj.scale_zeros)
-        return cls(norms, packed, scale_zeros, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                biases.append(torch.empty(0) if proj.bias is None else proj.bias.data.float().contiguous())
+        return cls(norms, packed, scale_zeros, biases, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                    cfg.intermediate_size, cfg.rms_norm_eps, max_tokens)
 
     def accepts(self, tokens: int, batch) -> bool:
@@ -132,7 +132,7 @@ class FusedInt4Layers:
         else:
             visible = visible.reshape(-1, visible.shape[-1]).index_select(0, batch.unpad_index)
         return load_extension().decoder_layers(
-            x.contiguous(), self.norms, self.packed, self.scale_zeros,
+            x.contiguous(), self.norms, self.packed, self.scale_zeros, self.biases,
             [k for k, _ in kv], [v for _, v in kv],
             cos.reshape(T, -1).contiguous(), sin.reshape(T, -1).contiguous(),
             batch.cache_rows.contiguous(), batch.slots.contiguous(), visible.contiguous(),

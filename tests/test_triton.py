@@ -33,7 +33,8 @@ from trtssd.serving.async_engine import FinishedRequest
 from trtssd.serving.prometheus_metrics import ServerMetrics
 from trtssd.triton import metrics as triton_metrics
 from trtssd.triton.repository import config_pbtxt, write_repository
-from trtssd.triton.server import descendants, mapped_segments, start_time, free_port
+from trtssd.runtime.processes import descendants, mapped_segments, start_time
+from trtssd.triton.server import SHM_PREFIXES, free_port
 from trtssd.triton.tensors import INPUTS, OUTPUTS
 from trtssd.triton.triton_requests import DEFAULT_MAX_TOKENS, parse_request
 from trtssd.triton.triton_responses import output_arrays
@@ -213,7 +214,7 @@ def server_test(test):
 
 def _segments_and_processes(root: int) -> tuple[dict[int, int], set[str]]:
     pids = {pid: start_time(pid) for pid in [root, *descendants(root)]}
-    segments = set().union(*(mapped_segments(pid) for pid in pids))
+    segments = set().union(*(mapped_segments(pid, SHM_PREFIXES) for pid in pids))
     return {p: s for p, s in pids.items() if s is not None}, segments
 
 

@@ -37,6 +37,7 @@ import torch
 from trtssd.config import ModelRef, RuntimeConfig, SpeculativeConfig, Transport
 from trtssd.runtime import protocol as P
 from trtssd.runtime.cuda_ipc import CudaIpcBuffers
+from trtssd.runtime.processes import descendants, mapped_segments, start_time
 from trtssd.runtime.transport import Channel, PeerLost, RoundBuffers, SharedBuffers, require_mpi
 
 if TYPE_CHECKING:
@@ -91,8 +92,8 @@ class DraftJob:
         """Note the job's processes and the MPICH segments they map (call while it runs)."""
         if not self.running():
             return
-        for pid in _process_tree(self.process.pid):
-            start = _start_time(pid)
+        for pid in [self.process.pid, *descendants(self.process.pid)]:
+            start = start_time(pid)
             if start is not None:
                 self._processes.setdefault(pid, start)
         for pid in self._live_processes():
@@ -133,7 +134,7 @@ class DraftJob:
             log.info("removed MPICH shared memory left by the draft job: %s", ", ".join(removed))
 
     def _live_processes(self) -> list[int]:
-        return [pid for pid, start in self._processes.items() if _start_time(pid) == start]
+        return [pid for pid, start in self._processes.items() if start_time(pid) == start]
 
 
 def end_with_target(target_pid: int) -> None:
@@ -166,54 +167,12 @@ def end_with_target(target_pid: int) -> None:
     threading.Thread(target=watch, name="watch-target", daemon=True).start()
 
 
-def _start_time(pid: int) -> int | None:
-    """The start time of process ``pid`` (clock ticks since boot), None if it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # the command name may hold spaces
-    except OSError:
-        return None
-    state, start = fields[0], int(fields[19])
-    return None if state in "ZX" else start
-
-
-def _process_tree(root: int) -> list[int]:
-    """``root`` and every process below it."""
-    children: dict[int, list[int]] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:  # no /proc (not Linux)
-        return [root]
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # gone meanwhile
-        children.setdefault(ppid, []).append(int(entry))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo.extend(children.get(pid, []))
-    return tree
+MPICH_SHM_PREFIXES = ("mpich_",)
 
 
 def _mapped_mpich_segments(pid: int) -> set[str]:
     """Names of MPICH's shared-memory segments (/dev/shm/mpich_*) that process ``pid`` maps."""
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return set()
-    names = set()
-    for line in lines:
-        path = line.split(maxsplit=5)[-1]
-        if path.startswith("/dev/shm/mpich_") and not path.endswith("(deleted)"):
-            names.add(path[len("/dev/shm/"):])
-    return names
+    return mapped_segments(pid, MPICH_SHM_PREFIXES)
 
 
 class DraftLink:

@@ -32,6 +32,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from trtssd.runtime.processes import descendants, mapped_segments, start_time
+
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 60.0  # SIGTERM -> exit; Triton itself waits up to 30 s for open requests (--exit-timeout-secs)
@@ -176,7 +178,7 @@ class TritonServer:
             start = start_time(pid)
             if start is not None:
                 self._started.setdefault(pid, start)
-                self._segments |= mapped_segments(pid)
+                self._segments |= mapped_segments(pid, SHM_PREFIXES)
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
         """SIGTERM, wait, SIGKILL if need be; then end and remove whatever it left (idempotent).
@@ -269,47 +271,3 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-def descendants(root: int) -> list[int]:
-    """Every process below ``root`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # gone meanwhile
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, []))
-    return found
-
-
-def start_time(pid: int) -> int | None:
-    """Process start time (clock ticks since boot); None when gone or a zombie (so a reused pid
-    is never mistaken for ours)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] in "ZX" else int(fields[19])
-
-
-def mapped_segments(pid: int) -> set[str]:
-    """The /dev/shm segments of ours (SHM_PREFIXES) that process ``pid`` maps."""
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return set()
-    names = set()
-    for line in lines:
-        path = line.split(maxsplit=5)[-1]
-        name = path[len("/dev/shm/"):]
-        if path.startswith("/dev/shm/") and name.startswith(SHM_PREFIXES) and not path.endswith("(deleted)"):
-            names.add(name)
-    return names

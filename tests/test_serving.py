@@ -303,7 +303,10 @@ def test_past_the_queue_limit_requests_get_503_overloaded(tiny):
         with httpx.Client(base_url=bg.url, timeout=60) as c, c.stream("POST", "/v1/completions",
                                                                        json={**long, "stream": True,
                                                                              "return_token_ids": True}) as first:
-            next(first.iter_lines())  # it runs (no tokenizer: token ids make the chunks)
+            # Keep the iterator: a dropped one is closed when collected, which closes the stream,
+            # and the server rightly aborts the request of a client that went away.
+            lines = first.iter_lines()
+            next(lines)  # it runs (no tokenizer: token ids make the chunks)
             r = c.post("/v1/completions", json=long)
             assert r.status_code == 503 and "overloaded" in r.json()["error"]["message"]
             assert c.get("/health").status_code == 200

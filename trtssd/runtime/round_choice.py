@@ -56,7 +56,7 @@ class RoundChooser:
 
     def _speculate(self, batch: int) -> bool:
         b = self._entry(batch)
-        if b.probing:  # a try not measured yet (a cold round) goes on
+        if b.probing:  # a try whose rounds so far were unsteady goes on
             return self._probed_mode(batch)
         if len(b.rate) < 2:
             inferred = self._inferred(batch)

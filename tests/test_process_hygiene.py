@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tiny_models import make_tiny_pair
+from trtssd.runtime.processes import mapped_segments
 
 READY_TIMEOUT_S = 240.0  # a child importing torch and loading two tiny models on a busy machine
 
@@ -58,9 +59,7 @@ def _env() -> dict[str, str]:
 def _shm_of(pid: int) -> set[str]:
     """The /dev/shm entries process ``pid`` maps (not yet unlinked), plus MPICH's segments named
     after it (a singleton MPI process's is mpich_shm_<pid in hex>_<n>)."""
-    with open(f"/proc/{pid}/maps") as f:
-        mapped = {line.split("/dev/shm/", 1)[1] for line in f.read().splitlines()
-                  if "/dev/shm/" in line and not line.endswith("(deleted)")}
+    mapped = mapped_segments(pid, ("",))  # every prefix
     named = {os.path.basename(p) for p in glob.glob(f"/dev/shm/mpich_shm_{pid:x}_*")}
     return mapped | named
 

@@ -18,6 +18,7 @@ import pytest
 from tiny_models import make_tiny_llama
 from trtssd import cli
 from trtssd.config import RuntimeConfig, SpeculativeConfig
+from trtssd.runtime.processes import descendants, start_time
 
 
 def _parse(argv: list[str]):
@@ -67,11 +68,11 @@ def test_trtssd_serve_answers_on_its_port_and_sigterm_ends_it_and_its_draft(tmp_
                                                       "temperature": 0}, headers=auth, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 9
         assert httpx.post(url + "/v1/completions", json={"prompt": [1]}).status_code == 401
-        draft_job = [pid for pid in _descendants(proc.pid) if _is_draft_job(pid)]
+        draft_job = [pid for pid in descendants(proc.pid) if _is_draft_job(pid)]
         assert len(draft_job) >= 2  # mpiexec, its proxy and the draft rank
         proc.send_signal(signal.SIGTERM)  # what a container runtime sends
         assert proc.wait(timeout=60) == 0
-        assert not [pid for pid in draft_job if _running(pid)]
+        assert not [pid for pid in draft_job if start_time(pid) is not None]
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -86,30 +87,6 @@ def _is_draft_job(pid: int) -> bool:
     except OSError:
         return False
     return any(name in cmdline for name in ("mpiexec", "hydra_pmi_proxy", "trtssd.runtime.draft_rank"))
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's zombie waits for init to reap it)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except OSError:
-        return False
-
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = [], list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo += children.get(pid, [])
-    return found
 
 
 def _wait_for_url(proc: subprocess.Popen, timeout_s: float) -> str:

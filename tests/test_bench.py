@@ -162,6 +162,16 @@ def test_plan_instances_groups_cells_by_loaded_system():
     assert RunKey("ssd", "chat", 1, 0.0, 5, 12).config == "ssd K=5 B=12"
 
 
+
+def test_plan_uses_the_engines_tuned_k_and_budget_unless_given(tmp_path):
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    (engine / "manifest.json").write_text(json.dumps({"format_version": 1, "speculation": {"k": 3, "fanout_budget": 6}}))
+    cfg = BenchConfig(engine=str(engine), systems=("ar", "sd", "ssd"), datasets=("chat",))
+    assert {(i.system, i.k, i.budget) for i in plan_instances(cfg)} == {("ar", None, None), ("sd", 3, None), ("ssd", 3, 6)}
+    given = BenchConfig(engine=str(engine), systems=("ssd",), datasets=("chat",), budgets=(1, 12))
+    assert {(i.k, i.budget) for i in plan_instances(given)} == {(3, 1), (3, 12)}
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(systems=("ar", "vllm")), "systems"), (dict(batch_sizes=(0,)), "batch_sizes"),
     (dict(temperatures=()), "temperatures"), (dict(engine="e", target="t"), "either engine"),
@@ -206,6 +216,28 @@ def test_hf_source_resolves_gguf_hf_dirs_and_engine_manifests(tmp_path):
     (engine / "manifest.json").write_text(json.dumps({"draft": {"backend": "torch-int4"}}))
     assert runners._is_self_draft(str(engine)) and not runners._is_self_draft(str(hf))
 
+
+
+def test_an_int4_draft_of_another_model_is_assisted_by_that_model(tmp_path):
+    """The Qwen pair: an int4 draft quantized from a different GGUF is not a self-draft, and
+    transformers' assistant is the GGUF it was built from."""
+    target, draft = tmp_path / "t.gguf", tmp_path / "d.gguf"
+    target.write_bytes(b"GGUF")
+    draft.write_bytes(b"GGUF")
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    recipe = {"target": str(target), "draft": str(draft)}
+    (engine / "manifest.json").write_text(json.dumps({
+        "target": {"path": "target/model.gguf"}, "draft": {"backend": "torch-int4", "path": "draft/model.safetensors"},
+        "build": {"recipe": recipe}}))
+    assert not runners._is_self_draft(str(engine))
+    assert hf_source(str(engine), "draft") == (str(tmp_path), {"gguf_file": "d.gguf"})
+    draft.unlink()
+    with pytest.raises(ValueError, match="not on this machine"):
+        hf_source(str(engine), "draft")
+    recipe["draft"] = str(target)
+    (engine / "manifest.json").write_text(json.dumps({"draft": {"backend": "torch-int4"}, "build": {"recipe": recipe}}))
+    assert runners._is_self_draft(str(engine))
 
 def test_timing_streamer_skips_the_prompt_and_counts_tokens():
     s = runners._TimingStreamer(0.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -11,12 +12,17 @@ import numpy as np
 import pytest
 import torch
 
+import trtssd.build as build_module
+import trtssd.models.catalog as catalog
+from trtssd import LLM
 from trtssd.backends.base import chain_chunk
 from trtssd.backends.loading import load_engine, load_side
 from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.build import TokenizerMismatchError, build_engine, gguf_tokenizer_fields, resolve_recipe
+from trtssd.config import speculative_config
 from trtssd.hashing import file_sha256
-from trtssd.models.engine_dir import DRAFT_FILE, DRAFT_GGUF, MANIFEST, TARGET_FILE, load_manifest
+from trtssd.models.catalog import NamedEngine
+from trtssd.models.engine_dir import DRAFT_FILE, DRAFT_GGUF, MANIFEST, TARGET_FILE, engine_speculation, load_manifest
 from tiny_models import make_tiny_llama
 
 Q4_1, Q8_0, F32 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F32
@@ -95,7 +101,7 @@ def test_engine_layout_and_manifest(built):
     assert manifest["draft"]["projections_requantized"] == ["lm_head"]
     assert manifest["tokenizer"]["vocab_size"] == 261 and manifest["tokenizer"]["num_merges"] == 4
     assert set(manifest["build"]["outputs"]) == {TARGET_FILE, DRAFT_FILE}
-    assert "int4_draft.cpp" in manifest["draft"]["execution"]
+    assert "draft_layers.cpp" in manifest["draft"]["execution"]
 
 
 def test_rebuild_is_a_noop_unless_inputs_change(built, caplog):
@@ -259,3 +265,35 @@ def test_pairs_with_different_vocabularies_are_refused(tmp_path):
 def test_named_engines_are_listed_when_a_name_is_unknown():
     with pytest.raises(ValueError, match="'smollm2-135m', 'qwen2.5-coder-1.5b'"):
         resolve_recipe("qwen-unknown")
+
+
+def test_a_named_engine_carries_its_tuned_speculation_defaults(tmp_path, monkeypatch):
+    """The manifest records the pair's tuned K / fan-out budget; LLM applies them where its caller
+    sets nothing, the caller's options win, and another draft does not inherit them."""
+    source = make_tiny_gguf(tmp_path / "Tiny-Model.gguf")
+    tuned = NamedEngine("tiny-tuned", "test", target=lambda: source, speculation={"k": 3, "fanout_budget": 6})
+    monkeypatch.setitem(catalog.NAMED_ENGINES, "tiny-tuned", tuned)
+    monkeypatch.setattr(build_module, "NAMED_ENGINES", catalog.NAMED_ENGINES)
+    engine = build_engine("tiny-tuned", tmp_path / "engines", progress=False)
+    assert load_manifest(engine)["speculation"] == {"k": 3, "fanout_budget": 6}
+    assert engine_speculation(engine) == {"k": 3, "fanout_budget": 6}
+    with LLM(str(engine), launch="local", mode="sd") as llm:
+        assert (llm.spec.k, llm.spec.fanout_budget) == (3, 6)
+    with LLM(str(engine), launch="local", mode="sd", k=4) as llm:
+        assert (llm.spec.k, llm.spec.fanout_budget) == (4, 6)
+    other = build_engine("tiny-tuned", tmp_path / "engines", draft=source, name="tiny-other", progress=False)
+    assert load_manifest(other)["speculation"] == {} and engine_speculation(source) == {}
+    monkeypatch.setitem(catalog.NAMED_ENGINES, "tiny-tuned", dataclasses.replace(tuned, speculation={"k": 0}))
+    with pytest.raises(ValueError, match="k must be an integer in"):
+        build_engine("tiny-tuned", tmp_path / "engines", progress=False)
+
+
+def test_speculation_options_merge_over_engine_defaults():
+    assert speculative_config({}, {"k": 3}).k == 3
+    assert speculative_config({"k": 7}, {"k": 3}).k == 7
+    # A fanout given alone fixes K (here 2), whatever the engine's K.
+    assert speculative_config({"fanout": (1, 1, 1)}, {"k": 6}).fixed_fanout == (1, 1, 1)
+    with pytest.raises(ValueError, match=r"engines/x/manifest.json: unknown speculation setting\(s\) \['depth'\]"):
+        speculative_config({}, {"depth": 3}, defaults_from="engines/x/manifest.json")
+    with pytest.raises(ValueError, match="fanout_budget must be an integer in"):
+        speculative_config({"fanout_budget": 0}, {"k": 3})

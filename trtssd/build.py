@@ -11,14 +11,16 @@ optional second one as the draft) into ``<out_dir>/<name>/``::
     draft/model.safetensors the int4 self-draft: 4-bit groups of every projection
                             (``int4.<linear>.codes|scales|mins``) and the remaining fp32
                             parameters (``param.<name>``: embedding, norms, biases)
-    draft/model.gguf        or: a separate draft model, run by torch like the target
+    draft/model.gguf        or: a separate draft model, run by torch like the target, or with
+                            int8 projections made at load time (draft_dtype "int8")
                             (or draft/: a Hugging Face directory)
     tokenizer/              the Hugging Face tokenizer of the target (from its GGUF metadata,
                             chat template included, or from its directory)
 
 The int4 self-draft is the target's own Q4_1 weights run by torch's int4 kernel
 (trtssd.models.quant); see docs/draft.md for why. A separate draft (another, smaller model with
-the same tokenizer) runs its dequantized weights in ``draft_dtype``. Building is idempotent: when
+the same tokenizer) runs its dequantized weights in ``draft_dtype``, or in int8
+(trtssd.models.int8_dynamic). Building is idempotent: when
 manifest.json records the same inputs (source hashes, options, format and build-code hashes) and
 the outputs still hash as recorded, nothing is done. The target and draft tokenizers must be
 identical (GGUF pairs: vocabulary, token types, merges, special tokens; otherwise vocabulary and
@@ -35,7 +37,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Mapping
@@ -44,10 +46,10 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from trtssd.config import ModelRef
+from trtssd.config import ModelRef, speculative_config
 from trtssd.hashing import file_sha256
-from trtssd.kernels.int4_draft import DEFAULT_MAX_TOKENS as FUSED_MAX_TOKENS
-from trtssd.kernels.int4_draft import load_extension
+from trtssd.kernels.draft_layers import DEFAULT_MAX_TOKENS as FUSED_MAX_TOKENS
+from trtssd.kernels.draft_layers import load_extension
 from trtssd.models.config import ModelConfig
 from trtssd.models.catalog import DEFAULT_ENGINE, NAMED_ENGINES
 from trtssd.models.engine_dir import (
@@ -77,7 +79,7 @@ _TOKENIZER_KEYS = (
     "tokenizer.ggml.add_space_prefix",
 )
 TORCH_DTYPES = ("float32", "bfloat16")
-DRAFT_DTYPES = ("int4", *TORCH_DTYPES)  # "int4": the target's own weights as the int4 self-draft
+DRAFT_DTYPES = ("int4", "int8", *TORCH_DTYPES)  # "int4": 4-bit groups from a GGUF; "int8": int8 projections
 # What of a Hugging Face model directory an engine keeps (its tokenizer is saved separately).
 _HF_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
 
@@ -94,9 +96,12 @@ class Recipe:
     target: Path  # GGUF file or Hugging Face directory of the target model
     draft: Path  # same for the draft (the target itself: self-draft)
     target_dtype: str = "float32"  # the target's compute dtype (it defines exactness)
-    draft_dtype: str = "int4"  # "int4": int4 self-draft from a GGUF's weights; else torch dtype
+    draft_dtype: str = "int4"  # "int4": 4-bit groups from a GGUF's weights; "int8"; else torch dtype
     plain_weights: bool = True  # fp32 linears keep plain weights next to oneDNN's (2x memory)
     head_top_k: int = DEFAULT_HEAD_TOP_K  # int4 draft output rows re-scored in fp32 (0 = none)
+    # SpeculativeConfig defaults measured for this pair (K, fan-out budget, ...); the manifest
+    # carries them and LLM applies what its caller does not set.
+    speculation: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name or self.name.startswith("."):
@@ -110,6 +115,7 @@ class Recipe:
         if self.draft_dtype == "int4" and not is_gguf(self.draft):
             raise ValueError(f"the int4 draft is made from a GGUF's weights; {self.draft} is not a .gguf file "
                              f"(give draft_dtype={TORCH_DTYPES[0]!r} to run it by torch)")
+        speculative_config({}, self.speculation, defaults_from=f"engine {self.name!r}")  # a bad value fails the build
 
     @property
     def self_draft(self) -> bool:
@@ -173,6 +179,8 @@ def resolve_recipe(
         draft_dtype=draft_dtype or default_draft_dtype,
         plain_weights=plain_weights if plain_weights is not None else (named.plain_weights if named is not None else True),
         head_top_k=head_top_k,
+        # Tuned for the named pair: another draft gets SpeculativeConfig's own defaults.
+        speculation=dict(named.speculation) if named is not None and draft is None else {},
     )
 
 
@@ -366,6 +374,7 @@ def _fingerprint(recipe: Recipe, target_sha: str, draft_sha: str) -> dict:
         "target_dtype": recipe.target_dtype,
         "draft_dtype": recipe.draft_dtype,
         "plain_weights": recipe.plain_weights,
+        "speculation": dict(recipe.speculation),
         "code_sha256": _code_hashes(),
     }
 
@@ -445,6 +454,8 @@ def _build(recipe: Recipe, engine: Path, fingerprint: dict, progress: bool) -> N
         target = _target_entry(recipe, _place_model(recipe.target, stage, TARGET_FILE, TARGET_DIR))
         if recipe.draft_dtype == "int4":
             draft = _int4_draft_entry(recipe, _write_draft(recipe.draft, stage / DRAFT_FILE, progress))
+        elif recipe.draft_dtype == "int8":
+            draft = _int8_draft_entry(recipe, _place_model(recipe.draft, stage, DRAFT_GGUF, DRAFT_DIR))
         else:
             draft = _torch_draft_entry(recipe, _place_model(recipe.draft, stage, DRAFT_GGUF, DRAFT_DIR))
         tokenizer = _save_tokenizer(recipe.target, target_tok, stage)
@@ -458,7 +469,7 @@ def _build(recipe: Recipe, engine: Path, fingerprint: dict, progress: bool) -> N
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    if recipe.draft_dtype == "int4":
+    if recipe.draft_dtype in ("int4", "int8"):
         _prepare_compiled_layers()
 
 
@@ -529,6 +540,21 @@ def _torch_draft_entry(recipe: Recipe, path: str) -> dict:
     }
 
 
+def _int8_draft_entry(recipe: Recipe, path: str) -> dict:
+    return {
+        "backend": "torch-int8",
+        "path": path,
+        "format": "gguf" if path.endswith(".gguf") else "huggingface",
+        "dtype": "float32 activations, KV, norms and attention; int8 inside the projections",
+        "projections": "int8 per output channel, activations quantized per forward (fbgemm dynamic linear), "
+                       "made from the weights at load time (trtssd/models/int8_dynamic.py)",
+        "lm_head": "int8, like the projections",
+        "config": load_config(recipe.draft).to_json(),
+        "execution": f"forwards of up to {FUSED_MAX_TOKENS} tokens: compiled layers "
+                     "(trtssd/kernels/draft_layers.cpp, built on first load); wider ones: torch layers",
+    }
+
+
 def _int4_draft_entry(recipe: Recipe, notes: dict) -> dict:
     return {
         "backend": "torch-int4",
@@ -538,7 +564,7 @@ def _int4_draft_entry(recipe: Recipe, notes: dict) -> dict:
         "projections": "int4 weight-only, 32-wide groups with scale and zero, aten._weight_int4pack_mm_for_cpu",
         "lm_head": f"int4, top-{recipe.head_top_k} rows re-scored in fp32",
         "execution": f"forwards of up to {FUSED_MAX_TOKENS} tokens: compiled layers "
-                     "(trtssd/kernels/int4_draft.cpp, built on first load); wider ones: torch layers",
+                     "(trtssd/kernels/draft_layers.cpp, built on first load); wider ones: torch layers",
         "head_top_k": recipe.head_top_k,
         **notes,
     }
@@ -555,6 +581,7 @@ def _manifest(recipe: Recipe, fingerprint: dict, target_cfg: ModelConfig, target
         "tokenizer": tokenizer,
         "target": target,
         "draft": draft,
+        "speculation": dict(recipe.speculation),
         "build": {
             "recipe": {"name": recipe.name, "target": str(recipe.target), "draft": str(recipe.draft),
                        "draft_dtype": recipe.draft_dtype},

@@ -19,7 +19,9 @@ def _generate(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
         seed=args.seed, stop=tuple(args.stop or ()),
     )
-    options = dict(mode=args.mode, k=args.k, launch=args.launch, max_seq_len=args.max_seq_len, **_device_options(args))
+    options = dict(mode=args.mode, launch=args.launch, max_seq_len=args.max_seq_len, **_device_options(args))
+    if args.k is not None:  # else the engine's tuned K
+        options["k"] = args.k
     if args.fanout != "auto":
         options["fanout"] = tuple(int(x) for x in args.fanout.split(","))
     if args.backup:
@@ -122,7 +124,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _add_llm_options(p: argparse.ArgumentParser) -> None:
     """The LLM options (read back by `_llm_options`); unset ones keep the defaults of trtssd/config.py."""
     p.add_argument("--mode", choices=["ar", "sd", "ssd"], default=None, help="default ssd")
-    p.add_argument("--k", type=int, default=None, help="lookahead (default 5)")
+    p.add_argument("--k", type=int, default=None, help="lookahead (default: the engine's, else 5)")
     p.add_argument("--fanout", default=None, help="'auto' (default) or K+1 comma-separated ints")
     p.add_argument("--fanout-budget", type=int, default=None, help="most branches per sequence with auto fan-out")
     p.add_argument("--saguaro-c", type=float, default=None, help="cache-aware scaling in (0, 1]")
@@ -241,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--k", type=int, default=5, help="lookahead")
+    g.add_argument("--k", type=int, default=None, help="lookahead (default: the engine's, else 5)")
     g.add_argument("--fanout", default="auto", help="'auto' or K+1 comma-separated ints")
     g.add_argument("--backup", choices=["auto", "neural", "fast"], default=None)
     g.add_argument("--max-seq-len", type=int, default=2048)
@@ -262,9 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft", default=None, help="the draft, a .gguf file or Hugging Face directory with the "
                    "target's tokenizer (default: the named engine's, or the target's own weights in int4)")
     b.add_argument("--name", default=None, help="engine directory name (default: the engine's or target's name)")
-    b.add_argument("--draft-dtype", choices=["int4", "float32", "bfloat16"], default=None,
-                   help="what the draft runs as (int4: the target's own GGUF weights; default: float32 for a "
-                   "separate draft)")
+    b.add_argument("--draft-dtype", choices=["int4", "int8", "float32", "bfloat16"], default=None,
+                   help="what the draft runs as (int4: 4-bit groups from a GGUF's weights, compiled layers; "
+                   "int8: int8 projections, fbgemm; default: the named engine's, int4 for a self-draft, "
+                   "float32 for a separate draft)")
     b.add_argument("--packed-only", action="store_true",
                    help="fp32 linears without their plain copy: half the memory, single rows through oneDNN too")
     b.add_argument("--force", action="store_true", help="rebuild even when up to date")

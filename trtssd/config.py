@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 
 class Mode(str, enum.Enum):
@@ -118,6 +118,23 @@ class SpeculativeConfig:
     def budget(self) -> int:
         """Branches per sequence per round."""
         return sum(self.fixed_fanout) if self.fixed_fanout is not None else self.fanout_budget
+
+
+def speculative_config(given: Mapping[str, Any], defaults: Mapping[str, Any] | None = None,
+                       defaults_from: str = "the engine") -> SpeculativeConfig:
+    """The speculation settings: the options given, over an engine's tuned defaults (its
+    manifest's ``speculation``), over SpeculativeConfig's own. An explicit fanout fixes K when K
+    is not given, so a fanout given alone never meets an engine's different K."""
+    defaults = dict(defaults or {})
+    unknown = sorted(set(defaults) - set(SpeculativeConfig.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"{defaults_from}: unknown speculation setting(s) {unknown}; "
+                         f"allowed: {sorted(SpeculativeConfig.__dataclass_fields__)}")
+    merged = {**defaults, **given}
+    fanout = given.get("fanout")
+    if fanout is not None and not isinstance(fanout, str) and "k" not in given:
+        merged["k"] = len(tuple(fanout)) - 1
+    return SpeculativeConfig(**merged)
 
 
 @dataclass(frozen=True)

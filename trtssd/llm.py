@@ -14,8 +14,10 @@ from typing import Iterator, Sequence
 
 from trtssd.backends.loading import load_executor
 from trtssd.build import resolve_models
-from trtssd.config import Mode, ModelRef, RuntimeConfig, SpeculativeConfig, TargetBackend, batch_tokens
+from trtssd.config import (Mode, ModelRef, RuntimeConfig, SpeculativeConfig, TargetBackend, batch_tokens,
+                           speculative_config)
 from trtssd.devices import resolve_device
+from trtssd.models.engine_dir import MANIFEST, engine_speculation
 from trtssd.models.tokenizer import chat_prompt_ids, encode_text, load_tokenizer
 from trtssd.runtime.affinity import pin, restore, split_cores
 from trtssd.runtime.launch import LAUNCHES, start_draft, target_seq_len
@@ -49,7 +51,8 @@ class LLM:
              draft in this process, after each answer instead of during verification (same
              tokens, no overlap: for debugging and tests, never for speed; needs no mpi4py).
     Every other keyword goes to SpeculativeConfig (mode, k, fanout, fanout_budget, saguaro_c, backup,
-    draft_timeout_s) or RuntimeConfig (max_batch, max_seq_len, *_threads, *_cores, target_device,
+    draft_timeout_s; what is not given comes from the engine manifest's tuned ``speculation``,
+    then from SpeculativeConfig's defaults) or RuntimeConfig (max_batch, max_seq_len, *_threads, *_cores, target_device,
     draft_device, transport, target_backend, trtllm_engine_dir). target_device / draft_device: "cpu"
     (default), "cuda" or "cuda:N"; each rank loads its model there (CUDA: unverified, never run on a GPU).
     target_backend: "torch" (default) or "trtllm": rounds verified by the TensorRT-LLM 1.2.x engine
@@ -66,7 +69,7 @@ class LLM:
             raise TypeError(f"unknown LLM option(s) {sorted(options)}; allowed: {allowed}")
         if launch not in LAUNCHES:
             raise ValueError(f"launch must be one of {LAUNCHES}; got {launch!r}")
-        self.spec = SpeculativeConfig(**spec_opts)
+        self.spec = speculative_config(spec_opts)  # fails fast, before any engine is built
         runtime = RuntimeConfig(**run_opts)
         if runtime.target_cores is None and runtime.draft_cores is None:
             cores = split_cores(runtime.target_threads, runtime.draft_threads)
@@ -75,6 +78,8 @@ class LLM:
         for name in ("target_device", "draft_device"):  # fail before anything starts, naming the option
             resolve_device(getattr(runtime, name), name)
         target, draft = resolve_models(engine, target, draft)
+        self.spec = speculative_config(spec_opts, engine_speculation(target.path),
+                                       defaults_from=f"{target.path}/{MANIFEST}")
         self._closed = True  # until everything below has started
         self._previous_affinity = pin("target", self.runtime.target_cores, self.runtime.target_threads)
         try:

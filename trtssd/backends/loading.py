@@ -13,7 +13,9 @@ import torch
 from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.config import ModelRef
 from trtssd.devices import resolve_device
-from trtssd.models.engine_dir import is_engine_dir, load_draft_model, load_manifest
+from trtssd.models.engine_dir import attach_fused_layers, is_engine_dir, load_draft_model, load_manifest
+from trtssd.models.int8_dynamic import quantize_linears_int8
+from trtssd.models.loader import load_model
 from trtssd.models.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -40,9 +42,10 @@ def load_executor(ref: ModelRef, max_seqs: int, max_seq_len: int, max_batch_toke
 def load_side(engine_dir: str | os.PathLike, side: str, *, max_seqs: int = 4, max_seq_len: int = 2048,
               fused: bool = True, device: str | torch.device = "cpu", **executor_options) -> TorchExecutor:
     """One side's executor, as the engine's manifest says it runs: "torch" (the model's own
-    weights in the recorded dtype; the target always) or "torch-int4" (the int4 self-draft, with
+    weights in the recorded dtype; the target always), "torch-int4" (the int4 self-draft, with
     the compiled few-row layers unless ``fused`` is False; on CUDA its 4-bit groups dequantized,
-    see ``load_draft_model``). ``device``: where weights, KV pool and forwards live."""
+    see ``load_draft_model``) or "torch-int8" (a draft model with int8 projections). ``device``:
+    where weights, KV pool and forwards live."""
     device = resolve_device(device, "device")
     engine_dir = Path(engine_dir)
     manifest = load_manifest(engine_dir)
@@ -55,11 +58,28 @@ def load_side(engine_dir: str | os.PathLike, side: str, *, max_seqs: int = 4, ma
             plain_weights=entry.get("plain_weights", True), max_seqs=max_seqs, max_seq_len=max_seq_len,
             device=device, **executor_options,
         )
+    if entry["backend"] == "torch-int8" and side == "draft":
+        return _int8_draft(engine_dir / entry["path"], device, max_seqs, max_seq_len, fused, executor_options)
     if entry["backend"] == "torch-int4" and side == "draft":
         # The compiled few-row layers are CPU code: a CUDA draft runs the plain layers.
         model = load_draft_model(engine_dir, manifest, fused=fused and device.type == "cpu", device=device)
         return TorchExecutor(model, max_seqs=max_seqs, max_seq_len=max_seq_len, **executor_options)
     raise ValueError(f"{engine_dir}: unknown {side} backend {entry['backend']!r}; rebuild the engine")
+
+
+def _int8_draft(path: Path, device: torch.device, max_seqs: int, max_seq_len: int, fused: bool,
+                executor_options) -> TorchExecutor:
+    """The draft model in fp32 with its projections made int8 (trtssd.models.int8_dynamic) and,
+    unless ``fused`` is False, its compiled few-row layers. The int8 kernel is CPU code: on a GPU
+    the draft runs its fp32 weights."""
+    model = load_model(path, torch.float32, device=device)
+    if device.type == "cpu":
+        quantize_linears_int8(model)
+        if fused:
+            attach_fused_layers(model)
+    else:
+        log.warning("int8 draft projections are CPU only; the draft runs in fp32 on %s", device)
+    return TorchExecutor(model, max_seqs=max_seqs, max_seq_len=max_seq_len, **executor_options)
 
 
 @dataclass(frozen=True)

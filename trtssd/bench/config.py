@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from trtssd.build import resolve_models
 from trtssd.bench.prompts import BUILTIN_SETS
 from trtssd.bench.records import RunKey
-from trtssd.config import ModelRef, check_device
+from trtssd.config import ModelRef, check_device, speculative_config
+from trtssd.models.engine_dir import engine_speculation
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +31,10 @@ class BenchConfig:
     max_tokens: int = 64
     batch_sizes: tuple[int, ...] = (1,)
     temperatures: tuple[float, ...] = (0.0,)
-    ks: tuple[int, ...] = (5,)  # lookaheads for sd, ssd and hf-assisted
-    budgets: tuple[int, ...] = (12,)  # fan-out budgets for ssd ("auto" fan-out within each budget)
+    # Lookaheads for sd, ssd and hf-assisted, and fan-out budgets for ssd ("auto" fan-out within
+    # each); empty: the engine's tuned ones (its manifest's speculation, else LLM's defaults).
+    ks: tuple[int, ...] = ()
+    budgets: tuple[int, ...] = ()
     backup: str = "auto"  # ssd miss policy
     ignore_eos: bool = True  # generate exactly max_tokens so every system does the same work
     seed: int = 0  # sampling seed base (temperature > 0)
@@ -57,8 +60,9 @@ class BenchConfig:
             raise ValueError("draft needs target")
         for name in ("batch_sizes", "ks", "budgets"):
             values = getattr(self, name)
-            if not values or any(not isinstance(v, int) or v < 1 for v in values):
-                raise ValueError(f"{name} must be a non-empty list of ints >= 1; got {values!r}")
+            if (name == "batch_sizes" and not values) or any(not isinstance(v, int) or v < 1 for v in values):
+                raise ValueError(f"{name} must be a {'non-empty ' if name == 'batch_sizes' else ''}list of ints >= 1; "
+                                 f"got {values!r}")
         if not self.temperatures or any(not 0 <= t <= 10 for t in self.temperatures):
             raise ValueError(f"temperatures must be a non-empty list of numbers in [0, 10]; got {self.temperatures!r}")
         if self.max_tokens < 1 or self.prompts_per_set < 1 or self.peer_threads < 1:
@@ -74,6 +78,14 @@ class BenchConfig:
         draft = ModelRef(self.draft) if self.draft else None
         return resolve_models(self.engine, target, draft)
 
+    def resolved(self) -> "BenchConfig":
+        """This config with empty ks / budgets made the engine's own (what an LLM of this engine
+        runs with when given none)."""
+        if self.ks and self.budgets:
+            return self
+        spec = speculative_config({}, engine_speculation(self.model_refs()[0].path))
+        return replace(self, ks=self.ks or (spec.k,), budgets=self.budgets or (spec.fanout_budget,))
+
 
 @dataclass(frozen=True)
 class Instance:
@@ -87,6 +99,7 @@ class Instance:
 
 def plan_instances(cfg: BenchConfig) -> list[Instance]:
     """Group the sweep's cells by the system instance that runs them."""
+    cfg = cfg.resolved()
     cells = []
     for system in cfg.systems:
         ks = cfg.ks if system in ("sd", "ssd", "hf-assisted") else (None,)

@@ -84,7 +84,8 @@ def _record(prompt_id: str, prompt: Sequence[int], output: Sequence[int], finish
 
 def hf_source(path: str, side: str = "target") -> tuple[str, dict]:
     """(from_pretrained path, kwargs) of a model transformers can load: an HF directory, a .gguf
-    file, or the file an engine's manifest records for ``side``."""
+    file, or for an engine directory the model its ``side`` runs (for an int4 draft, the model it
+    was quantized from)."""
     p = Path(path)
     if p.suffix == ".gguf" and p.is_file():
         return str(p.parent), {"gguf_file": p.name}
@@ -94,6 +95,8 @@ def hf_source(path: str, side: str = "target") -> tuple[str, dict]:
     if manifest.is_file():
         data = json.loads(manifest.read_text())
         entry = data.get(side, {}) if isinstance(data.get(side), dict) else {}
+        if entry.get("backend") == "torch-int4":
+            return _int4_source(data, side, manifest)
         for field_name in ("source", "gguf", "hf_dir", "path", "weights"):
             value = entry.get(field_name) or data.get(f"{side}_{field_name}")
             if isinstance(value, str):
@@ -105,13 +108,32 @@ def hf_source(path: str, side: str = "target") -> tuple[str, dict]:
     raise ValueError(f"{path} is neither a .gguf file, a transformers directory nor an engine directory")
 
 
+def _built_from(data: dict, side: str) -> str | None:
+    """The model an engine's ``side`` was built from, as trtssd.build recorded it."""
+    recipe = data.get("build", {}).get("recipe", {})
+    value = recipe.get(side)
+    return value if isinstance(value, str) else None
+
+
+def _int4_source(data: dict, side: str, manifest: Path) -> tuple[str, dict]:
+    source = _built_from(data, side)
+    if source is None or not Path(source).exists():
+        raise ValueError(f"the int4 {side} of {manifest.parent} was built from {source or 'an unrecorded model'}, "
+                         f"which is not on this machine (give --hf-{side})")
+    return hf_source(source, side)
+
+
 def _is_self_draft(path: str) -> bool:
-    """An engine whose draft is the target's own weights, quantized (trtssd.build's int4 draft)."""
+    """An engine whose draft is the target's own weights, quantized (trtssd.build's int4 self-draft)."""
     manifest = Path(path) / "manifest.json"
     if not manifest.is_file():
         return False
-    draft = json.loads(manifest.read_text()).get("draft", {})
-    return isinstance(draft, dict) and draft.get("backend") == "torch-int4"
+    data = json.loads(manifest.read_text())
+    draft = data.get("draft", {})
+    if not (isinstance(draft, dict) and draft.get("backend") == "torch-int4"):
+        return False
+    source = _built_from(data, "draft")
+    return source is None or source == _built_from(data, "target")
 
 
 class _TimingStreamer:

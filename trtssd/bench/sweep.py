@@ -70,6 +70,7 @@ def run_benchmark(cfg: BenchConfig, command: str | None = None) -> "BenchReport"
     """Run the sweep, calibrate, compare with the plan; returns the report (nothing written yet)."""
     from tqdm import tqdm
 
+    cfg = cfg.resolved()
     target_ref, _ = cfg.model_refs()
     tokenizer = load_tokenizer(target_ref.path)
     items = {ds: load_prompt_set(ds, cfg.prompts_per_set) for ds in cfg.datasets}

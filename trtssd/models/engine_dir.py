@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import torch
 from safetensors.torch import load_file
 
-from trtssd.kernels.int4_draft import FusedInt4Layers
+from trtssd.kernels.draft_layers import FusedDraftLayers
 from trtssd.models.config import ModelConfig
 from trtssd.models.llama import LlamaModel
 from trtssd.models.quant import DENSE_ABOVE_ROWS, Int4Groups, quantize_linears, unpack_nibbles
@@ -48,10 +48,21 @@ def load_manifest(engine_dir: str | os.PathLike) -> dict:
     return manifest
 
 
+def engine_speculation(path: str | os.PathLike) -> dict[str, Any]:
+    """The speculation defaults tuned for an engine (its manifest's ``speculation``: K, fan-out
+    budget, ...); empty for a model that is not an engine directory, or an engine without them."""
+    if not is_engine_dir(path):
+        return {}
+    section = load_manifest(path).get("speculation") or {}
+    if not isinstance(section, dict):
+        raise ValueError(f"{Path(path) / MANIFEST}: 'speculation' must be an object; got {section!r}")
+    return section
+
+
 def load_draft_model(engine_dir: str | os.PathLike, manifest: Mapping[str, Any] | None = None, *,
                      fused: bool = True, device: str | torch.device = "cpu") -> LlamaModel:
     """The draft ``LlamaModel`` with Int4Linear projections, from an engine directory. ``fused``:
-    run few-row forwards through the compiled layers (trtssd.kernels.int4_draft; compiled on
+    run few-row forwards through the compiled layers (trtssd.kernels.draft_layers; compiled on
     first use); when they cannot be built the torch layers are used and a warning says why.
 
     ``device`` other than the CPU: the int4 kernel (aten._weight_int4pack_mm_for_cpu) is CPU
@@ -83,7 +94,7 @@ def load_draft_model(engine_dir: str | os.PathLike, manifest: Mapping[str, Any] 
     quantize_linears(model, groups, head_top_k=draft["head_top_k"], dense_above=DENSE_ABOVE_ROWS)
     model.load_weights(params)
     if fused:
-        _attach_fused_layers(model)
+        attach_fused_layers(model)
     return model.eval()
 
 
@@ -103,8 +114,9 @@ def _dequantized_draft(cfg: ModelConfig, groups: Mapping[str, Int4Groups], param
     return model.eval()
 
 
-def _attach_fused_layers(model: LlamaModel) -> None:
+def attach_fused_layers(model: LlamaModel) -> None:
+    """Give an int4 or int8 draft its compiled few-row layers, or say why it runs without them."""
     try:
-        model.fused_layers = FusedInt4Layers.from_model(model)
+        model.fused_layers = FusedDraftLayers.from_model(model)
     except Exception as err:  # noqa: BLE001 - a speed-up only: the torch layers compute the same
-        log.warning("draft runs on the torch layers only; fused int4 layers unavailable: %s", err)
+        log.warning("draft runs on the torch layers only; fused draft layers unavailable: %s", err)

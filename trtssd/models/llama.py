@@ -278,7 +278,7 @@ class LlamaModel(nn.Module):
         # Kept out of the parameters/buffers so .to(bfloat16) leaves it fp32.
         self.inv_freq = cfg.rope.inv_freq(cfg.head_dim)
         # Optional compiled stand-in for ``layers`` on few-row forwards (the int4 draft on CPU:
-        # trtssd.kernels.int4_draft.FusedInt4Layers); holds references to the same weights.
+        # trtssd.kernels.draft_layers.FusedDraftLayers); holds references to the same weights.
         self.fused_layers = None
 
     @property

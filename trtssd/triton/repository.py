@@ -22,7 +22,7 @@ from pathlib import Path
 
 import trtssd
 from trtssd.build import default_engine
-from trtssd.config import RuntimeConfig, SpeculativeConfig
+from trtssd.config import RuntimeConfig, SpeculativeConfig, speculative_config
 from trtssd.models.engine_dir import is_engine_dir
 from trtssd.triton.model_options import ModelOptions
 from trtssd.triton.tensors import INPUTS, OUTPUTS, TensorSpec
@@ -132,5 +132,5 @@ def _check_llm_options(options: dict) -> None:
     if unknown:
         allowed = sorted({*SpeculativeConfig.__dataclass_fields__, *RuntimeConfig.__dataclass_fields__, "launch"})
         raise TypeError(f"unknown LLM option(s) {unknown}; allowed: {allowed}")
-    SpeculativeConfig(**spec)
+    speculative_config(spec)
     RuntimeConfig(**runtime)

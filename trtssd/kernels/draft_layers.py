@@ -1,11 +1,12 @@
-"""The int4 draft's decoder layers as one compiled call (CPU), for few-row forwards.
+"""The draft's decoder layers as one compiled call (CPU), for few-row forwards.
 
-Why: at one row the draft reads ~80 MB of 4-bit weights (~11 ms on one core here) but spent about
-as long again on ~900 small aten calls per step (norms, RoPE, KV writes, masked SDPA, dtype casts,
-each with dispatch and Python overhead). ``int4_draft.cpp`` runs a whole step's layers in one C++
-call: the same int4 matmuls (aten's kernel, bf16 in and out), with the norms, RoPE, KV writes,
+Why: at one row the draft reads its weights (~80 MB of 4-bit SmolLM2 weights, ~11 ms on one core)
+but spent about as long again on ~900 small aten calls per step (norms, RoPE, KV writes, masked
+SDPA, dtype casts, each with dispatch and Python overhead). ``draft_layers.cpp`` runs a whole
+step's layers in one C++ call: the same projection calls as the torch layers (aten's int4 kernel
+with bf16 in and out, or fbgemm's int8 dynamic linear in fp32), with the norms, RoPE, KV writes,
 attention and SiLU as plain loops in fp32. The result matches the torch path up to float
-summation order (tests/test_int4_draft.py).
+summation order (tests/test_draft_layers.py).
 
 The extension is compiled on first use with torch's C++ extension builder (ninja + the system
 C++ compiler, ~1 minute) and cached under ``TORCH_EXTENSIONS_DIR`` (default
@@ -27,7 +28,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("int4_draft.cpp")
+SOURCE = Path(__file__).with_name("draft_layers.cpp")
 # Forwards up to this many tokens take the fused path; wider ones the torch layers, whose
 # projections switch to fp32 GEMMs above the same row count (models.quant.DENSE_ABOVE_ROWS; docs/draft.md).
 DEFAULT_MAX_TOKENS = 16
@@ -40,7 +41,7 @@ def load_extension():
 
     with _interpreter_bin_first_on_path():
         return load(
-            name="trtssd_int4_draft",
+            name="trtssd_draft_layers",
             sources=[str(SOURCE)],
             extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
             verbose=False,
@@ -60,6 +61,18 @@ def _interpreter_bin_first_on_path():
         os.environ["PATH"] = old
 
 
+def projection_kind(module) -> str | None:
+    """"int4", "int8" or None: which compiled projection ``module`` can run as. Checked by the
+    weights it holds, not by class, so that kernels stay below the model code that uses them
+    (models.quant.Int4Linear: packed + scale_zeros; models.int8_dynamic.Int8DynamicLinear:
+    int8_params)."""
+    if hasattr(module, "packed") and hasattr(module, "scale_zeros"):
+        return "int4"
+    if isinstance(getattr(module, "int8_params", None), torch.ScriptObject):
+        return "int8"
+    return None
+
+
 def ineligible_reason(model) -> str | None:
     """Why ``model`` cannot use the fused layers, or None when it can."""
     cfg = model.config
@@ -69,28 +82,31 @@ def ineligible_reason(model) -> str | None:
         return f"model dtype is {model.dtype}, the fused layers keep an fp32 residual stream"
     if cfg.qk_norm:
         return "q/k norms are not implemented in the fused layers"
+    kinds = set()
     for name, module in model.linears():
         if name == "lm_head":
             continue
-        # The fused layers read an Int4Linear's packed weights; checked by those attributes, not
-        # by class, so that kernels stay below the model code that uses them.
-        if not (hasattr(module, "packed") and hasattr(module, "scale_zeros")):
-            return f"{name} is {type(module).__name__}, not Int4Linear (no packed int4 weights)"
+        kind = projection_kind(module)
+        if kind is None:
+            return f"{name} is {type(module).__name__}, neither Int4Linear nor Int8DynamicLinear"
+        kinds.add(kind)
+    if len(kinds) > 1:
+        return "the projections mix int4 and int8"
     return None
 
 
 @dataclass
-class FusedInt4Layers:
-    """Every decoder layer of an int4 ``LlamaModel`` as one extension call (see module docstring).
+class FusedDraftLayers:
+    """Every decoder layer of an int4 or int8 ``LlamaModel`` as one extension call (see module
+    docstring).
 
     Holds references to the model's own weights (no copies). ``max_tokens``: the widest forward
     it takes; ``LlamaModel.forward`` uses the torch layers for wider ones.
     """
 
+    kind: str  # "int4" or "int8"
     norms: list[torch.Tensor]
-    packed: list[torch.Tensor]
-    scale_zeros: list[torch.Tensor]
-    biases: list[torch.Tensor]  # fp32, empty for a projection without one
+    projections: list  # int4: (packed, scale_zeros, bias) per projection; int8: fbgemm packed params
     heads: int
     kv_heads: int
     head_dim: int
@@ -99,25 +115,30 @@ class FusedInt4Layers:
     max_tokens: int = DEFAULT_MAX_TOKENS
 
     @classmethod
-    def from_model(cls, model, max_tokens: int = DEFAULT_MAX_TOKENS) -> "FusedInt4Layers":
+    def from_model(cls, model, max_tokens: int = DEFAULT_MAX_TOKENS) -> "FusedDraftLayers":
         """Raises ValueError when the model is not eligible (``ineligible_reason``), and whatever
         the compiler raises when the extension cannot be built."""
         reason = ineligible_reason(model)
         if reason is not None:
-            raise ValueError(f"fused int4 layers unavailable: {reason}")
+            raise ValueError(f"fused draft layers unavailable: {reason}")
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
-        load_extension()
+        ext = load_extension()
         cfg = model.config
-        norms, packed, scale_zeros, biases = [], [], [], []
+        norms, projections = [], []
         for layer in model.layers:
             norms += [layer.attn_norm.weight.data, layer.mlp_norm.weight.data]
-            for proj in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down):
-                packed.append(proj.packed)
-                scale_zeros.append(proj.scale_zeros)
-                biases.append(torch.empty(0) if proj.bias is None else proj.bias.data.float().contiguous())
-        return cls(norms, packed, scale_zeros, biases, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                   cfg.intermediate_size, cfg.rms_norm_eps, max_tokens)
+            projections += [layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down]
+        kind = projection_kind(projections[0])
+        if kind == "int8":
+            weights = ext.Int8Projections([p.int8_params for p in projections])
+        else:
+            weights = (
+                [p.packed for p in projections], [p.scale_zeros for p in projections],
+                [torch.empty(0) if p.bias is None else p.bias.data.float().contiguous() for p in projections],
+            )
+        return cls(kind, norms, weights, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                   cfg.rms_norm_eps, max_tokens)
 
     def accepts(self, tokens: int, batch) -> bool:
         return tokens <= self.max_tokens and batch.visible is not None
@@ -131,9 +152,11 @@ class FusedInt4Layers:
             visible = visible[0]
         else:
             visible = visible.reshape(-1, visible.shape[-1]).index_select(0, batch.unpad_index)
-        return load_extension().decoder_layers(
-            x.contiguous(), self.norms, self.packed, self.scale_zeros, self.biases,
-            [k for k, _ in kv], [v for _, v in kv],
+        ext = load_extension()
+        run = ext.decoder_layers_int8 if self.kind == "int8" else ext.decoder_layers_int4
+        weights = (self.projections,) if self.kind == "int8" else self.projections
+        return run(
+            x.contiguous(), self.norms, *weights, [k for k, _ in kv], [v for _, v in kv],
             cos.reshape(T, -1).contiguous(), sin.reshape(T, -1).contiguous(),
             batch.cache_rows.contiguous(), batch.slots.contiguous(), visible.contiguous(),
             self.heads, self.kv_heads, self.head_dim, self.intermediate, self.eps, self.head_dim**-0.5,

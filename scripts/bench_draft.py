@@ -37,6 +37,7 @@ import torch
 from trtssd.backends.base import chain_chunk
 from trtssd.backends.loading import load_engine
 from trtssd.build import default_engine
+from trtssd.bench.report import write_json
 
 log = logging.getLogger("bench_draft")
 
@@ -363,10 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     log.info("results:\n%s\nhead top-k ablation: %s\nforward cost by tokens (cpu ms): %s\nstep breakdown: %s",
              markdown(summary), ablation, batched, breakdown)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
-        log.info("wrote %s", args.out)
+    write_json(args.out, report)
     return 0
 
 

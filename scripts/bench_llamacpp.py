@@ -14,11 +14,12 @@ Usage: .venv/bin/python scripts/bench_llamacpp.py [--out docs/bench/llamacpp.jso
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import time
 from pathlib import Path
+
+from trtssd.bench.report import write_json
 
 log = logging.getLogger("bench_llamacpp")
 
@@ -76,10 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"gguf": str(args.gguf), "llama_cpp_python": L.__version__, "threads": 1, "context": args.context,
               "extra_bufts": args.extra_bufts, "forward_cpu_ms_by_rows": result,
               "system_info": L.llama_print_system_info().decode()}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
-        log.info("wrote %s", args.out)
+    write_json(args.out, report)
     return 0
 
 

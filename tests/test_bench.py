@@ -176,6 +176,7 @@ def test_plan_uses_the_engines_tuned_k_and_budget_unless_given(tmp_path):
     (dict(systems=("ar", "vllm")), "systems"), (dict(batch_sizes=(0,)), "batch_sizes"),
     (dict(temperatures=()), "temperatures"), (dict(engine="e", target="t"), "either engine"),
     (dict(draft="d"), "draft needs target"), (dict(backup="random"), "backup"), (dict(ks=(2.5,)), "ks"),
+    (dict(saguaro_c=0.0), "saguaro_c must be in"),
 ])
 def test_bad_bench_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -367,3 +368,13 @@ def test_bench_end_to_end_on_tiny_models(tmp_path):
     assert data["timings"]["target"] and data["machine"]["versions"]["torch"]
     md = (out / "results.md").read_text()
     assert "| ar | ids | 1 | 0 |" in md and "## Speedup model vs measurement" in md
+
+
+def test_ssd_runs_get_the_given_saguaro_c_and_others_keep_the_engines(monkeypatch):
+    seen = []
+    monkeypatch.setattr("trtssd.llm.LLM", lambda *args, **options: seen.append(options))
+    cfg = BenchConfig(target="t", saguaro_c=1.0, ks=(5,), budgets=(12,))
+    runners.TrtssdRunner(cfg, "ssd", 5, 12, 256)
+    runners.TrtssdRunner(cfg, "sd", 5, None, 256)
+    runners.TrtssdRunner(BenchConfig(target="t", ks=(5,), budgets=(12,)), "ssd", 5, 12, 256)
+    assert seen[0]["saguaro_c"] == 1.0 and "saguaro_c" not in seen[1] and "saguaro_c" not in seen[2]

@@ -3,9 +3,9 @@ Qwen2.5-Coder-0.5B-Instruct (Q5_0 / Q8_0 / Q4_K / Q6_K) as the draft, built from
 wheels by `trtssd build qwen2.5-coder-1.5b`.
 
 - Both models' logits against transformers' own GGUF loader (fp32): prefill, a decode step, a
-  K+1 verify block and tree branches behind a branch mask. The draft runs in int8 in the
+  K+1 verify block and tree branches behind a branch mask. The draft runs in int4 in the
   engine; its fp32 model (same code, the GGUF's weights) is what is checked against
-  transformers, and the int8 draft against that (argmax agreement, 8-bit-class error).
+  transformers, and the int4 draft against that (argmax agreement, bf16-class error).
 - Greedy sd and ssd equal greedy ar token for token (4 prompts x 32 tokens, batch 4).
 
 Bounded for CI: the ~1.6 GB download into ~/.cache/trtssd happens on the first run only (~1
@@ -70,7 +70,7 @@ def test_engine_layout(engine):
     assert manifest["architecture"]["arch"] == "qwen2" and manifest["architecture"]["num_layers"] == 28
     assert manifest["target"]["dtype"] == "float32" and manifest["target"]["format"] == "gguf"
     draft = manifest["draft"]
-    assert (draft["backend"], draft["config"]["num_layers"]) == ("torch-int8", 24)
+    assert (draft["backend"], draft["config"]["num_layers"]) == ("torch-int4", 24)
     assert manifest["build"]["outputs"]["target/model.gguf"] == QWEN_CODER_1_5B.sha256
     assert manifest["tokenizer"]["vocab_size"] == 151936 and manifest["tokenizer"]["chat_template"]
     tok = load_tokenizer(engine)
@@ -196,22 +196,22 @@ def test_target_logits_match_transformers(target_reference, sd_run):
     _assert_close(sd_run["logits"], target_reference)
 
 
-def test_draft_logits_match_transformers_and_the_int8_draft_follows(engine, cases):
+def test_draft_logits_match_transformers_and_the_quantized_draft_follows(engine, cases):
     gguf_path = fetch_split_file(QWEN_CODER_0_5B, default_cache_dir(), progress=False)  # cached by the build
     reference = _transformers_reference(gguf_path, cases)
     fp32 = TorchExecutor.from_pretrained(gguf_path, max_seqs=1, max_seq_len=256)
     exact = _our_logits(fp32, cases)
     del fp32
     _assert_close(exact, reference)
-    int8 = _our_logits(load_side(engine, "draft", max_seqs=1, max_seq_len=256), cases)
+    quantized = _our_logits(load_side(engine, "draft", max_seqs=1, max_seq_len=256), cases)
     matches = []
-    for mine, ref in zip(int8, exact):
+    for mine, ref in zip(quantized, exact):
         for step in ("decode", "verify", "tree"):
             matches.append(mine[step].argmax(-1) == ref[step].argmax(-1))
-            # int4 measured 1.5-4.4% of the logit scale here; int8 is held to the same bound
+            # Measured: mean |error| 1.5-4.4% of the logit scale (tails of the int4 head included)
             err = (mine[step] - ref[step]).abs().mean().item()
             assert err < 0.08 * ref[step].abs().max().item(), (step, err)
-    # An 8-bit draft of the same model, not another model. Pooled over every row (44): a tree
+    # A 4-bit draft of the same model, not another model. Pooled over every row (44): a tree
     # branch after an arbitrary token has flat logits, where one case's four rows are too few.
     agree = torch.cat(matches).float().mean().item()
     assert agree >= 0.75, agree

@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=_ints, default=(), help="lookaheads (sweep: 3,5,7; default: the engine's)")
     p.add_argument("--budget", type=_ints, default=(), help="ssd fan-out budgets (sweep: 6,12,24; default: the engine's)")
     p.add_argument("--backup", choices=("auto", "neural", "fast"), default="auto")
+    p.add_argument("--saguaro-c", type=float, default=None,
+                   help="ssd's cache-aware sampling scale in (0, 1]; 1 = plain sampling (default: the engine's)")
     p.add_argument("--allow-eos", action="store_true", help="stop at EOS (default: exactly --max-tokens tokens)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peer-threads", type=int, default=1, help="torch threads for the transformers peers")
@@ -89,7 +91,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             preset[name] = getattr(args, arg)
     return BenchConfig(
         engine=args.engine, target=args.target, draft=args.draft, systems=args.systems, datasets=args.datasets,
-        ks=args.k, budgets=args.budget, backup=args.backup, ignore_eos=not args.allow_eos, seed=args.seed,
+        ks=args.k, budgets=args.budget, backup=args.backup, saguaro_c=args.saguaro_c, ignore_eos=not args.allow_eos, seed=args.seed,
         warmup=not args.no_warmup, peer_threads=args.peer_threads, shared_cores=args.shared_cores, hf_target=args.hf_target, hf_draft=args.hf_draft,
         calibrate=not args.no_calibrate, handshake_s=args.handshake_s, out_dir=Path(args.out),
         plots=not args.no_plots, target_device=args.target_device, draft_device=args.draft_device, **preset)

@@ -36,6 +36,7 @@ class BenchConfig:
     ks: tuple[int, ...] = ()
     budgets: tuple[int, ...] = ()
     backup: str = "auto"  # ssd miss policy
+    saguaro_c: float | None = None  # ssd's cache-aware sampling scale; None: the engine's (else LLM's default)
     ignore_eos: bool = True  # generate exactly max_tokens so every system does the same work
     seed: int = 0  # sampling seed base (temperature > 0)
     warmup: bool = True  # one short untimed request per loaded system
@@ -67,6 +68,8 @@ class BenchConfig:
             raise ValueError(f"temperatures must be a non-empty list of numbers in [0, 10]; got {self.temperatures!r}")
         if self.max_tokens < 1 or self.prompts_per_set < 1 or self.peer_threads < 1:
             raise ValueError("max_tokens, prompts_per_set and peer_threads must be >= 1")
+        if self.saguaro_c is not None and not 0.0 < self.saguaro_c <= 1.0:
+            raise ValueError(f"saguaro_c must be in (0, 1]; got {self.saguaro_c!r}")
         if self.backup not in ("auto", "neural", "fast"):
             raise ValueError(f"backup must be 'auto', 'neural' or 'fast'; got {self.backup!r}")
         for name in ("target_device", "draft_device"):

@@ -84,6 +84,15 @@ def machine_info() -> dict:
     }
 
 
+def write_json(path: Path | None, data: dict) -> None:
+    """Write a script's results JSON (its directory made first); nothing when ``path`` is None."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    log.info("wrote %s", path)
+
+
 def _memory_gib() -> float | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():

@@ -32,6 +32,8 @@ class TrtssdRunner:
             options.update(k=k, backup=cfg.backup)
         if mode == "ssd":
             options.update(fanout_budget=budget)
+            if cfg.saguaro_c is not None:
+                options.update(saguaro_c=cfg.saguaro_c)
         self.llm = LLM(cfg.engine, target=ModelRef(cfg.target) if cfg.target else None,
                        draft=ModelRef(cfg.draft) if cfg.draft else None, **options)
 

@@ -297,3 +297,5 @@ def test_speculation_options_merge_over_engine_defaults():
         speculative_config({}, {"depth": 3}, defaults_from="engines/x/manifest.json")
     with pytest.raises(ValueError, match="fanout_budget must be an integer in"):
         speculative_config({"fanout_budget": 0}, {"k": 3})
+    with pytest.raises(ValueError, match="fanout must be 'auto' or a list of k\\+1"):
+        speculative_config({"fanout": (1,)}, {"k": 3})

@@ -450,7 +450,9 @@ def test_bad_options_are_rejected(tiny):
     with pytest.raises(TypeError, match="unknown LLM option"):
         _llm(tiny, "ar", bogus=1)
     with pytest.raises(ValueError, match="fanout"):
-        _llm(tiny, "ssd", fanout=(1, 2))
+        _llm(tiny, "ssd", k=5, fanout=(1, 2))  # K+1 = 6 entries wanted
+    with pytest.raises(ValueError, match="fanout"):
+        _llm(tiny, "ssd", fanout=(1,))
     with _llm(tiny, "ar") as llm:
         with pytest.raises(ValueError, match="prompt"):
             llm.generate([[]], SamplingParams())

@@ -132,8 +132,8 @@ def speculative_config(given: Mapping[str, Any], defaults: Mapping[str, Any] | N
                          f"allowed: {sorted(SpeculativeConfig.__dataclass_fields__)}")
     merged = {**defaults, **given}
     fanout = given.get("fanout")
-    if fanout is not None and not isinstance(fanout, str) and "k" not in given:
-        merged["k"] = len(tuple(fanout)) - 1
+    if fanout is not None and not isinstance(fanout, str) and "k" not in given and len(tuple(fanout)) >= 2:
+        merged["k"] = len(tuple(fanout)) - 1  # shorter: SpeculativeConfig names fanout in its error
     return SpeculativeConfig(**merged)
 
 

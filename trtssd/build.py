@@ -541,15 +541,14 @@ def _torch_draft_entry(recipe: Recipe, path: str) -> dict:
 
 
 def _int8_draft_entry(recipe: Recipe, path: str) -> dict:
+    """The fp32 draft entry (its model placed as is), with projections made int8 at load time."""
     return {
+        **_torch_draft_entry(recipe, path),
         "backend": "torch-int8",
-        "path": path,
-        "format": "gguf" if path.endswith(".gguf") else "huggingface",
         "dtype": "float32 activations, KV, norms and attention; int8 inside the projections",
         "projections": "int8 per output channel, activations quantized per forward (fbgemm dynamic linear), "
                        "made from the weights at load time (trtssd/models/int8_dynamic.py)",
         "lm_head": "int8, like the projections",
-        "config": load_config(recipe.draft).to_json(),
         "execution": f"forwards of up to {FUSED_MAX_TOKENS} tokens: compiled layers "
                      "(trtssd/kernels/draft_layers.cpp, built on first load); wider ones: torch layers",
     }

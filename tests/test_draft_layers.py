@@ -24,7 +24,11 @@ CFG = ModelConfig(
 CFG_BIASED = dataclasses.replace(CFG, qkv_bias=True, o_bias=True)
 
 
-PAIRS = {"int4": tiny_int4_pair, "int8": tiny_int8_pair}
+PAIRS = {
+    "int4": tiny_int4_pair,
+    "int8": tiny_int8_pair,
+    "int8-2": lambda cfg, seed: tiny_int8_pair(cfg, seed, activation_levels=2),  # a target's two levels
+}
 
 
 def _fused_pair(max_tokens: int = 8, cfg: ModelConfig = CFG, kind: str = "int4"):
@@ -32,7 +36,7 @@ def _fused_pair(max_tokens: int = 8, cfg: ModelConfig = CFG, kind: str = "int4")
     fused, ref = PAIRS[kind](cfg, seed=1)
     plain, _ = PAIRS[kind](cfg, seed=1)
     fused.model.fused_layers = FusedDraftLayers.from_model(fused.model, max_tokens=max_tokens)
-    assert fused.model.fused_layers.kind == kind
+    assert fused.model.fused_layers.kind == kind.split("-")[0]
     return fused, plain, ref
 
 
@@ -66,8 +70,9 @@ def _scenario(ex) -> list[torch.Tensor]:
     return outs
 
 
-@pytest.fixture(scope="module", params=[(CFG, "int4"), (CFG_BIASED, "int4"), (CFG, "int8"), (CFG_BIASED, "int8")],
-                ids=["int4-no-bias", "int4-biased", "int8-no-bias", "int8-biased"])
+@pytest.fixture(scope="module", params=[(CFG, "int4"), (CFG_BIASED, "int4"), (CFG, "int8"), (CFG_BIASED, "int8"),
+                                        (CFG_BIASED, "int8-2")],
+                ids=["int4-no-bias", "int4-biased", "int8-no-bias", "int8-biased", "int8-2-levels-biased"])
 def runs(request):
     cfg, kind = request.param
     fused, plain, ref = _fused_pair(cfg=cfg, kind=kind)
@@ -90,9 +95,11 @@ def test_fused_layers_match_dequantized_model(runs):
         scale, err = b.abs().max().item(), (a - b).abs()
         if kind == "int4":  # the int4 path's own bf16 error budget (same codes as the reference)
             assert err.max().item() < 0.03 * scale
-        else:  # 8-bit weights per channel, 7-bit activations per call (random tiny weights amplify it)
+        elif kind == "int8":  # 8-bit weights per channel, 7-bit activations per row (random tiny weights amplify it)
             assert err.mean().item() < 0.05 * scale
-    if kind == "int8":
+        else:  # ~14-bit activations: what remains is mostly the 8-bit weights
+            assert err.mean().item() < 0.02 * scale
+    if kind != "int4":
         agree = torch.cat([a.argmax(-1) == b.argmax(-1) for a, b in zip(fused, ref)]).float().mean().item()
         assert agree >= 0.75
 
@@ -105,10 +112,10 @@ def test_fused_layers_write_the_same_kv(runs):
         assert (k1 != 0).sum() == (k2 != 0).sum()  # the same slots written, no others
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int8-2"])
 def test_tree_branches_do_not_see_each_other(kind):
-    """A fork's logits must not change when a sibling branch's token changes (int8: the sibling
-    shares the call's activation scale, so only nearly)."""
+    """A fork's logits must not change, not by one bit, when a sibling branch's token changes
+    (int8: each row has its own activation scale)."""
     outs = []
     for sibling in (21, 70):
         fused, _, _ = _fused_pair(kind=kind)
@@ -120,10 +127,7 @@ def test_tree_branches_do_not_see_each_other(kind):
         outs.append(fused.forward([chunk])[0])
     own_change = (outs[0][1] - outs[1][1]).abs().max().item()
     assert own_change > 1.0
-    if kind == "int4":
-        assert torch.equal(outs[0][0], outs[1][0])
-    else:  # measured: 0.38 against the changed fork's 7.0
-        assert (outs[0][0] - outs[1][0]).abs().max().item() < 0.15 * own_change
+    assert torch.equal(outs[0][0], outs[1][0])
 
 
 def test_wide_forwards_use_the_torch_layers():

@@ -1,4 +1,5 @@
-"""The int8 draft: projections close to fp32, engines built with it, and exact speculation on it."""
+"""Int8 projections: close to fp32, each row independent of the rows beside it, engines built with
+an int8 draft or an int8 target, and exact speculation on both."""
 
 from __future__ import annotations
 
@@ -16,6 +17,42 @@ from trtssd.models.int8_dynamic import Int8DynamicLinear, int8_available
 pytestmark = pytest.mark.skipif(not int8_available(), reason="torch without a quantized CPU engine")
 
 
+@pytest.mark.parametrize("levels", [1, 2])
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(levels):
+    """A target's verify (K+1 rows) must compute what its one-row decode computes, bit for bit."""
+    torch.manual_seed(0)
+    layer = Int8DynamicLinear(torch.randn(96, 64), torch.randn(96), activation_levels=levels)
+    x = torch.randn(7, 64)
+    x[3] *= 50.0  # one loud row would set a shared activation scale for all
+    x[5, 10] = -80.0  # and one outlier value
+    together = layer(x)
+    for i in range(len(x)):
+        assert torch.equal(layer(x[i:i + 1])[0], together[i]), f"row {i}"
+    assert torch.equal(layer(x[2:5]), together[2:5])
+
+
+def test_two_activation_levels_leave_only_the_weights_error():
+    torch.manual_seed(0)
+    w, b = torch.randn(256, 512), torch.randn(256)
+    x = torch.randn(6, 512)
+    x[:, 7] *= 40.0  # an outlier channel, as LLM activations have
+    ref = x @ w.T + b
+    err = {levels: ((Int8DynamicLinear(w, b, levels)(x) - ref).norm() / ref.norm()).item() for levels in (1, 2)}
+    weights_only = ((x @ _int8_weights(w).T + b - ref).norm() / ref.norm()).item()
+    assert err[2] < 0.25 * err[1]
+    assert err[2] < 1.05 * weights_only
+
+
+def _int8_weights(w: torch.Tensor) -> torch.Tensor:
+    scale = w.abs().amax(dim=1, keepdim=True) / 127.0
+    return torch.round(w / scale).clamp(-127, 127) * scale
+
+
+def test_bad_activation_levels_are_rejected():
+    with pytest.raises(ValueError, match="activation_levels must be one of"):
+        Int8DynamicLinear(torch.randn(4, 4), activation_levels=3)
+
+
 @pytest.mark.parametrize("rows", [1, 6, 40])
 def test_int8_linear_is_close_to_fp32(rows):
     torch.manual_seed(0)
@@ -25,7 +62,7 @@ def test_int8_linear_is_close_to_fp32(rows):
     ref = x @ w.T + b
     y = layer(x)
     assert y.shape == ref.shape and y.dtype == torch.float32
-    # 8-bit weights per channel and 7-bit activations per call: about 1% of the output's scale.
+    # 8-bit weights per channel and 7-bit activations per row: about 1% of the output's scale.
     assert (y - ref).abs().mean() < 0.02 * ref.abs().mean()
 
 
@@ -62,11 +99,39 @@ def test_an_int8_engine_runs_its_draft_in_int8(int8_engine):
     assert (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean() >= 0.9
 
 
-def test_speculation_on_an_int8_draft_equals_plain_greedy(int8_engine):
-    prompts = [[5, 17, 33, 2], [40, 41, 42, 43, 44, 45]]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+@pytest.fixture(scope="module")
+def int8_target_engine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("int8-target")
+    source = make_tiny_gguf(root / "Tiny-Model.gguf")
+    return build_engine(source, root / "engines", target_dtype="int8", draft_dtype="int8", name="tiny-int8-target",
+                        progress=False)
+
+
+def test_an_int8_target_runs_two_activation_levels(int8_target_engine):
+    manifest = load_manifest(int8_target_engine)
+    assert manifest["target"]["backend"] == "torch-int8" and manifest["target"]["activation_levels"] == 2
+    assert manifest["draft"]["activation_levels"] == 1
+    assert manifest["build"]["recipe"]["target_dtype"] == "int8"
+    target = load_side(int8_target_engine, "target", max_seqs=1, max_seq_len=128)
+    draft = load_side(int8_target_engine, "draft", max_seqs=1, max_seq_len=128)
+    assert {m.activation_levels for _, m in target.model.linears()} == {2}
+    assert {m.activation_levels for _, m in draft.model.linears()} == {1}
+    assert target.model.fused_layers is None  # one code path for decode and verify
+
+
+@pytest.mark.parametrize("engine_fixture", ["int8_engine", "int8_target_engine"])
+def test_speculation_on_int8_projections_equals_plain_greedy(engine_fixture, request):
+    engine = request.getfixturevalue(engine_fixture)
+    prompts = [[5, 17, 33, 2], [40, 41, 42, 43, 44, 45], [9] * 12, [70, 3]]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     outputs = {}
     for mode in ("ar", "sd", "ssd"):
-        with LLM(str(int8_engine), mode=mode, launch="local", max_seq_len=128) as llm:
+        with LLM(str(engine), mode=mode, launch="local", max_seq_len=128) as llm:
             outputs[mode] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outputs["sd"] == outputs["ar"] and outputs["ssd"] == outputs["ar"]
+
+
+def test_an_unknown_target_dtype_is_a_clear_error(tmp_path):
+    source = make_tiny_gguf(tmp_path / "Tiny-Model.gguf")
+    with pytest.raises(ValueError, match=r"target_dtype must be one of \('float32', 'bfloat16', 'int8'\)"):
+        build_engine(source, tmp_path / "engines", target_dtype="int4", progress=False)

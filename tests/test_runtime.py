@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 
 from tiny_models import make_tiny_llama, make_tiny_pair
 from trtssd import LLM, ModelRef, SamplingParams
+from trtssd.runtime.processes import open_files
 from trtssd.sampling import processed_probs
 
 pytestmark = pytest.mark.mpi
@@ -70,13 +72,27 @@ def _draft_segments(draft_pid: int) -> set[str]:
     return segments
 
 
+def _hydra_files() -> set[str]:
+    """MPICH hydra's temporary topology files: mpiexec writes one per job, its proxy holds it
+    open, and only a clean exit removes it."""
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "hydra_hwloc_xmlfile_*")))
+
+
+def _open_hydra_files() -> set[str]:
+    """Hydra files some live process (another job's mpiexec or proxy) still holds open."""
+    return set().union(*(open_files(int(pid), ("hydra_hwloc_xmlfile_",)) for pid in os.listdir("/proc") if pid.isdigit()))
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_shared_memory():
-    """Every test leaves /dev/shm as it found it: no buffer of ours, no segment of MPICH's."""
-    before = _shm_segments()
+    """Every test leaves /dev/shm and the temporary directory as it found them: no buffer of
+    ours, no segment or hydra file of MPICH's."""
+    before, hydra_before = _shm_segments(), _hydra_files()
     yield
     leaked = _shm_segments() - before - _in_use_segments()
     assert not leaked, f"shared memory left behind: {sorted(leaked)}"
+    leaked_files = _hydra_files() - hydra_before - _open_hydra_files()
+    assert not leaked_files, f"MPICH hydra files left behind: {sorted(leaked_files)}"
 
 
 def _parents() -> dict[int, int]:

@@ -63,12 +63,12 @@ def tiny_int4_pair(cfg, top_k: int = 0, seed: int = 0, **executor_options):
     return TorchExecutor(draft.eval(), **kw), TorchExecutor(ref.eval(), **kw)
 
 
-def tiny_int8_pair(cfg, seed: int = 0, **executor_options):
+def tiny_int8_pair(cfg, seed: int = 0, activation_levels: int = 1, **executor_options):
     """(int8 executor, fp32 executor): the fp32 model of ``tiny_int4_pair`` and another copy of
     it whose projections were made Int8DynamicLinear. The same seed gives the same weights."""
     from trtssd.models.int8_dynamic import quantize_linears_int8
 
     _, ref = tiny_int4_pair(cfg, seed=seed, **executor_options)
     _, int8 = tiny_int4_pair(cfg, seed=seed, **executor_options)
-    quantize_linears_int8(int8.model)  # from the plain fp32 weights the executor keeps
+    quantize_linears_int8(int8.model, activation_levels)  # from the plain fp32 weights the executor keeps
     return int8, ref

@@ -79,7 +79,12 @@ _TOKENIZER_KEYS = (
     "tokenizer.ggml.add_space_prefix",
 )
 TORCH_DTYPES = ("float32", "bfloat16")
+TARGET_DTYPES = (*TORCH_DTYPES, "int8")  # "int8": int8 projections with two activation levels
 DRAFT_DTYPES = ("int4", "int8", *TORCH_DTYPES)  # "int4": 4-bit groups from a GGUF; "int8": int8 projections
+# int8 activation levels per side (trtssd.models.int8_dynamic): the target defines the output, so
+# it takes ~14-bit activations; the draft only proposes, and one 7-bit level is cheaper.
+TARGET_INT8_LEVELS = 2
+DRAFT_INT8_LEVELS = 1
 # What of a Hugging Face model directory an engine keeps (its tokenizer is saved separately).
 _HF_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
 
@@ -95,7 +100,7 @@ class Recipe:
     name: str  # engine directory name under out_dir
     target: Path  # GGUF file or Hugging Face directory of the target model
     draft: Path  # same for the draft (the target itself: self-draft)
-    target_dtype: str = "float32"  # the target's compute dtype (it defines exactness)
+    target_dtype: str = "float32"  # the target's compute dtype, or "int8" (it defines exactness)
     draft_dtype: str = "int4"  # "int4": 4-bit groups from a GGUF's weights; "int8"; else torch dtype
     plain_weights: bool = True  # fp32 linears keep plain weights next to oneDNN's (2x memory)
     head_top_k: int = DEFAULT_HEAD_TOP_K  # int4 draft output rows re-scored in fp32 (0 = none)
@@ -108,8 +113,8 @@ class Recipe:
             raise ValueError(f"engine name must be a plain directory name, got {self.name!r}")
         if not isinstance(self.head_top_k, int) or self.head_top_k < 0:
             raise ValueError(f"head_top_k must be a non-negative int, got {self.head_top_k!r}")
-        if self.target_dtype not in TORCH_DTYPES:
-            raise ValueError(f"target_dtype must be one of {TORCH_DTYPES}, got {self.target_dtype!r}")
+        if self.target_dtype not in TARGET_DTYPES:
+            raise ValueError(f"target_dtype must be one of {TARGET_DTYPES}, got {self.target_dtype!r}")
         if self.draft_dtype not in DRAFT_DTYPES:
             raise ValueError(f"draft_dtype must be one of {DRAFT_DTYPES}, got {self.draft_dtype!r}")
         if self.draft_dtype == "int4" and not is_gguf(self.draft):
@@ -148,6 +153,7 @@ def resolve_recipe(
     draft: str | os.PathLike | None = None,
     name: str | None = None,
     head_top_k: int = DEFAULT_HEAD_TOP_K,
+    target_dtype: str | None = None,
     draft_dtype: str | None = None,
     plain_weights: bool | None = None,
 ) -> Recipe:
@@ -155,8 +161,9 @@ def resolve_recipe(
     file / Hugging Face directory as the target → Recipe. ``draft``: another model as the draft
     (same tokenizer) instead of the named engine's or the target's own int4 weights. ``name``:
     engine directory name (default: the engine's name, or the target's file/directory stem,
-    lower-cased). ``draft_dtype`` (default: the named engine's; "int4" for a self-draft, else
-    "float32") and ``plain_weights`` override the defaults."""
+    lower-cased). ``target_dtype`` (default: the named engine's, else "float32"), ``draft_dtype``
+    (default: the named engine's; "int4" for a self-draft, else "float32") and ``plain_weights``
+    override the defaults."""
     ref = str(name_or_ref)
     named = NAMED_ENGINES.get(ref)
     if named is not None:
@@ -175,7 +182,7 @@ def resolve_recipe(
         draft_path, default_draft_dtype = target, "int4"
     return Recipe(
         name or default_name, target, draft_path,
-        target_dtype=named.target_dtype if named is not None else "float32",
+        target_dtype=target_dtype or (named.target_dtype if named is not None else "float32"),
         draft_dtype=draft_dtype or default_draft_dtype,
         plain_weights=plain_weights if plain_weights is not None else (named.plain_weights if named is not None else True),
         head_top_k=head_top_k,
@@ -399,6 +406,7 @@ def build_engine(
     draft: str | os.PathLike | None = None,
     name: str | None = None,
     head_top_k: int = DEFAULT_HEAD_TOP_K,
+    target_dtype: str | None = None,
     draft_dtype: str | None = None,
     plain_weights: bool | None = None,
     force: bool = False,
@@ -409,12 +417,12 @@ def build_engine(
     name_or_ref: a named engine ("smollm2-135m", "qwen2.5-coder-1.5b": fetched into the cache on
     first use), or a .gguf file / Hugging Face directory as the target. out_dir: engines directory
     (default ``default_engines_dir()``). draft: another model as the draft (default: the named
-    engine's, or the target's own weights in int4). draft_dtype, plain_weights: see ``Recipe``.
+    engine's, or the target's own weights in int4). target_dtype, draft_dtype, plain_weights: see ``Recipe``.
     force: rebuild even when up to date.
     """
     start = time.perf_counter()
     recipe = resolve_recipe(name_or_ref, draft=draft, name=name, head_top_k=head_top_k,
-                            draft_dtype=draft_dtype, plain_weights=plain_weights)
+                            target_dtype=target_dtype, draft_dtype=draft_dtype, plain_weights=plain_weights)
     out = Path(out_dir) if out_dir is not None else default_engines_dir()
     engine = out / recipe.name
     target_sha = source_sha256(recipe.target)
@@ -529,7 +537,23 @@ def _torch_side(path: str, dtype: str, plain_weights: bool) -> dict:
 
 
 def _target_entry(recipe: Recipe, path: str) -> dict:
+    if recipe.target_dtype == "int8":
+        return _int8_entry(_torch_side(path, TORCH_DTYPES[0], recipe.plain_weights), TARGET_INT8_LEVELS)
     return _torch_side(path, recipe.target_dtype, recipe.plain_weights)
+
+
+def _int8_entry(fp32_entry: dict, levels: int) -> dict:
+    """A side run in fp32 (its model placed as is), with projections made int8 at load time."""
+    return {
+        **fp32_entry,
+        "backend": "torch-int8",
+        "dtype": "float32 activations, KV, norms and attention; int8 inside the projections",
+        "projections": f"int8 per output channel; activations quantized per row at each forward in {levels} "
+                       "level(s) of 7 bits (fbgemm dynamic linear), made from the weights at load time "
+                       "(trtssd/models/int8_dynamic.py)",
+        "activation_levels": levels,
+        "lm_head": "int8, like the projections",
+    }
 
 
 def _torch_draft_entry(recipe: Recipe, path: str) -> dict:
@@ -541,14 +565,8 @@ def _torch_draft_entry(recipe: Recipe, path: str) -> dict:
 
 
 def _int8_draft_entry(recipe: Recipe, path: str) -> dict:
-    """The fp32 draft entry (its model placed as is), with projections made int8 at load time."""
     return {
-        **_torch_draft_entry(recipe, path),
-        "backend": "torch-int8",
-        "dtype": "float32 activations, KV, norms and attention; int8 inside the projections",
-        "projections": "int8 per output channel, activations quantized per forward (fbgemm dynamic linear), "
-                       "made from the weights at load time (trtssd/models/int8_dynamic.py)",
-        "lm_head": "int8, like the projections",
+        **_int8_entry(_torch_draft_entry(recipe, path), DRAFT_INT8_LEVELS),
         "execution": f"forwards of up to {FUSED_MAX_TOKENS} tokens: compiled layers "
                      "(trtssd/kernels/draft_layers.cpp, built on first load); wider ones: torch layers",
     }
@@ -583,7 +601,7 @@ def _manifest(recipe: Recipe, fingerprint: dict, target_cfg: ModelConfig, target
         "speculation": dict(recipe.speculation),
         "build": {
             "recipe": {"name": recipe.name, "target": str(recipe.target), "draft": str(recipe.draft),
-                       "draft_dtype": recipe.draft_dtype},
+                       "target_dtype": recipe.target_dtype, "draft_dtype": recipe.draft_dtype},
             "fingerprint": fingerprint,
             "outputs": {rel: file_sha256(stage / rel) for rel in outputs},
             "versions": {"trtssd": version("trtssd"), "torch": torch.__version__, "gguf": version("gguf")},

@@ -220,7 +220,8 @@ def _build(args: argparse.Namespace) -> int:
     try:
         path = build_engine(
             args.target or args.engine or DEFAULT_ENGINE, args.out, draft=args.draft, name=args.name,
-            draft_dtype=args.draft_dtype, plain_weights=False if args.packed_only else None, force=args.force,
+            target_dtype=args.target_dtype, draft_dtype=args.draft_dtype,
+            plain_weights=False if args.packed_only else None, force=args.force,
         )
     except (FileNotFoundError, SplitFileError) as err:  # said as a usage error, without a traceback
         raise ValueError(str(err)) from err
@@ -264,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft", default=None, help="the draft, a .gguf file or Hugging Face directory with the "
                    "target's tokenizer (default: the named engine's, or the target's own weights in int4)")
     b.add_argument("--name", default=None, help="engine directory name (default: the engine's or target's name)")
+    b.add_argument("--target-dtype", choices=["float32", "bfloat16", "int8"], default=None,
+                   help="what the target runs as (int8: int8 projections with ~14-bit activations, fbgemm; "
+                   "exactness is against whatever the target computes; default: the named engine's, else float32)")
     b.add_argument("--draft-dtype", choices=["int4", "int8", "float32", "bfloat16"], default=None,
                    help="what the draft runs as (int4: 4-bit groups from a GGUF's weights, compiled layers; "
                    "int8: int8 projections, fbgemm; default: the named engine's, int4 for a self-draft, "

@@ -44,8 +44,8 @@ def load_side(engine_dir: str | os.PathLike, side: str, *, max_seqs: int = 4, ma
     """One side's executor, as the engine's manifest says it runs: "torch" (the model's own
     weights in the recorded dtype; the target always), "torch-int4" (the int4 self-draft, with
     the compiled few-row layers unless ``fused`` is False; on CUDA its 4-bit groups dequantized,
-    see ``load_draft_model``) or "torch-int8" (a draft model with int8 projections). ``device``:
-    where weights, KV pool and forwards live."""
+    see ``load_draft_model``) or "torch-int8" (either side: int8 projections, the entry's
+    activation levels). ``device``: where weights, KV pool and forwards live."""
     device = resolve_device(device, "device")
     engine_dir = Path(engine_dir)
     manifest = load_manifest(engine_dir)
@@ -58,8 +58,12 @@ def load_side(engine_dir: str | os.PathLike, side: str, *, max_seqs: int = 4, ma
             plain_weights=entry.get("plain_weights", True), max_seqs=max_seqs, max_seq_len=max_seq_len,
             device=device, **executor_options,
         )
-    if entry["backend"] == "torch-int8" and side == "draft":
-        return _int8_draft(engine_dir / entry["path"], device, max_seqs, max_seq_len, fused, executor_options)
+    if entry["backend"] == "torch-int8":
+        # Only the draft takes the compiled layers: the target's one-row decode and its verify
+        # must run the same code (a verify wider than the layers' limit would not).
+        model = _int8_model(engine_dir / entry["path"], device, entry.get("activation_levels", 1),
+                            fused=fused and side == "draft", side=side)
+        return TorchExecutor(model, max_seqs=max_seqs, max_seq_len=max_seq_len, **executor_options)
     if entry["backend"] == "torch-int4" and side == "draft":
         # The compiled few-row layers are CPU code: a CUDA draft runs the plain layers.
         model = load_draft_model(engine_dir, manifest, fused=fused and device.type == "cpu", device=device)
@@ -67,19 +71,18 @@ def load_side(engine_dir: str | os.PathLike, side: str, *, max_seqs: int = 4, ma
     raise ValueError(f"{engine_dir}: unknown {side} backend {entry['backend']!r}; rebuild the engine")
 
 
-def _int8_draft(path: Path, device: torch.device, max_seqs: int, max_seq_len: int, fused: bool,
-                executor_options) -> TorchExecutor:
-    """The draft model in fp32 with its projections made int8 (trtssd.models.int8_dynamic) and,
-    unless ``fused`` is False, its compiled few-row layers. The int8 kernel is CPU code: on a GPU
-    the draft runs its fp32 weights."""
+def _int8_model(path: Path, device: torch.device, levels: int, fused: bool, side: str):
+    """The model in fp32 with its projections made int8 (trtssd.models.int8_dynamic) and, when
+    ``fused``, its compiled few-row layers. The int8 kernel is CPU code: on a GPU the side runs
+    its fp32 weights."""
     model = load_model(path, torch.float32, device=device)
     if device.type == "cpu":
-        quantize_linears_int8(model)
+        quantize_linears_int8(model, levels)
         if fused:
             attach_fused_layers(model)
     else:
-        log.warning("int8 draft projections are CPU only; the draft runs in fp32 on %s", device)
-    return TorchExecutor(model, max_seqs=max_seqs, max_seq_len=max_seq_len, **executor_options)
+        log.warning("int8 projections are CPU only; the %s runs in fp32 on %s", side, device)
+    return model
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ class LoadedEngine:
     """Both sides of an engine, loaded in one process (benchmarks, tests; the runtime loads each
     side in its own rank with ``load_side``)."""
 
-    target: TorchExecutor  # in the dtype its manifest entry records (fp32 so far)
+    target: TorchExecutor  # as its manifest entry records (fp32, bf16 or int8 projections)
     draft: TorchExecutor  # over the int4 self-draft, or another model in its recorded dtype
     tokenizer: Any  # transformers tokenizer, or None for tokenizer-less test models
     manifest: dict

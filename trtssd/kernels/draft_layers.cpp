@@ -3,7 +3,7 @@
 // Same arithmetic as LlamaModel with Int4Linear or Int8DynamicLinear projections
 // (trtssd/models/llama.py, quant.py, int8_dynamic.py): fp32 residual stream, RMSNorm, RoPE, KV
 // cache and attention. int4: aten's int4 kernel with bf16 inputs and outputs; int8: fbgemm's
-// dynamic linear (fp32 in and out, the bias inside). What it removes is the ~30 small aten calls
+// dynamic linear, one activation scale per row (fp32 in and out). What it removes is the ~30 small aten calls
 // per layer (and the Python around them) that cost the draft as much as its weight reads; the
 // matmuls are the same calls the torch layers make.
 //
@@ -180,24 +180,51 @@ struct Int4Projections {
   const at::Tensor& residual_bias(int64_t i) const { return biases[i]; }
 };
 
-// int8 projections: fbgemm's dynamic linear (activations quantized per call, bias inside), fp32.
+// int8 projections: fbgemm's dynamic linear with one activation scale per row, fp32 in and out;
+// the same ops in the same order as rowwise_linear_dynamic (trtssd/models/int8_dynamic.py), so
+// the torch layers and these agree bit for bit. The o and down biases go to the residual stream.
 class Int8Projections {
  public:
   using Input = float;
 
-  explicit Int8Projections(const std::vector<py::handle>& packed) {
+  Int8Projections(const std::vector<py::handle>& packed, std::vector<at::Tensor> biases, int64_t levels)
+      : biases_(std::move(biases)), levels_(levels) {
     static const auto type = c10::getCustomClassType<c10::intrusive_ptr<LinearPackedParamsBase>>();
     for (const auto& p : packed) params_.push_back(torch::jit::toIValue(p, type).toCustomClass<LinearPackedParamsBase>());
+    TORCH_CHECK(biases_.size() == params_.size(), "draft layers: one bias per int8 projection");
+    TORCH_CHECK(levels_ == 1 || levels_ == 2, "draft layers: activation levels must be 1 or 2");
   }
   int64_t size() const { return static_cast<int64_t>(params_.size()); }
-  at::Tensor operator()(int64_t i, const at::Tensor& x) const { return params_[i]->apply_dynamic(x, kReduceRange); }
-  at::Tensor residual_input(int64_t i, const at::Tensor& x) const { return (*this)(i, x); }
-  const at::Tensor& residual_bias(int64_t) const { return none_; }
+  at::Tensor operator()(int64_t i, const at::Tensor& x) const {
+    at::Tensor y = residual_input(i, x);
+    return biases_[i].numel() > 0 ? y + biases_[i] : y;
+  }
+  at::Tensor residual_input(int64_t i, const at::Tensor& x) const {
+    const int64_t rows = x.size(0);
+    at::Tensor absmax = x.abs().amax({1}, true).clamp_min(std::numeric_limits<float>::min());
+    at::Tensor unit = x / absmax * kRowRange;
+    at::Tensor anchor = at::zeros({1, x.size(1)}, x.options());
+    anchor.data_ptr<float>()[0] = 1.f;
+    anchor.data_ptr<float>()[x.size(1) - 1] = -1.f;
+    std::vector<at::Tensor> parts{unit};
+    if (levels_ == 2) parts.push_back((unit - at::round(unit / kStep) * kStep) * kRemainderGain);
+    parts.push_back(anchor);
+    at::Tensor y = params_[i]->apply_dynamic(at::cat(parts), kReduceRange);
+    at::Tensor out = y.narrow(0, 0, rows);
+    if (levels_ == 2) out = out + y.narrow(0, rows, rows) / kRemainderGain;
+    return (out * (absmax / kRowRange)).contiguous();
+  }
+  const at::Tensor& residual_bias(int64_t i) const { return biases_[i]; }
 
  private:
-  static constexpr bool kReduceRange = true;  // as Int8DynamicLinear (trtssd/models/int8_dynamic.py)
+  // As trtssd/models/int8_dynamic.py: 7-bit activations, fbgemm's grid over [-1, 1].
+  static constexpr bool kReduceRange = true;
+  static constexpr double kStep = 2.0 / 127.0;
+  static constexpr double kRowRange = 0.99;
+  static constexpr double kRemainderGain = 2.0 * kRowRange / kStep;
   std::vector<c10::intrusive_ptr<LinearPackedParamsBase>> params_;
-  at::Tensor none_ = at::empty({0});
+  std::vector<at::Tensor> biases_;
+  int64_t levels_;
 };
 
 // qkv / gate|up outputs come as bf16 (int4, no bias) or fp32 (int4 with bias, int8).
@@ -312,7 +339,8 @@ at::Tensor decoder_layers_int8(at::Tensor x, const std::vector<at::Tensor>& norm
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  py::class_<Int8Projections>(m, "Int8Projections").def(py::init<const std::vector<py::handle>&>());
+  py::class_<Int8Projections>(m, "Int8Projections")
+      .def(py::init<const std::vector<py::handle>&, std::vector<at::Tensor>, int64_t>());
   m.def("decoder_layers_int4", &decoder_layers_int4, "int4 draft decoder layers (CPU)");
   m.def("decoder_layers_int8", &decoder_layers_int8, "int8 draft decoder layers (CPU)");
 }

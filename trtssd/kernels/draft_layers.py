@@ -92,6 +92,9 @@ def ineligible_reason(model) -> str | None:
         kinds.add(kind)
     if len(kinds) > 1:
         return "the projections mix int4 and int8"
+    levels = {getattr(module, "activation_levels", None) for name, module in model.linears() if name != "lm_head"}
+    if len(levels) > 1:
+        return "the int8 projections mix activation levels"
     return None
 
 
@@ -106,7 +109,7 @@ class FusedDraftLayers:
 
     kind: str  # "int4" or "int8"
     norms: list[torch.Tensor]
-    projections: list  # int4: (packed, scale_zeros, bias) per projection; int8: fbgemm packed params
+    projections: list  # int4: (packed, scale_zeros, bias) per projection; int8: ext.Int8Projections
     heads: int
     kv_heads: int
     head_dim: int
@@ -131,7 +134,11 @@ class FusedDraftLayers:
             projections += [layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down]
         kind = projection_kind(projections[0])
         if kind == "int8":
-            weights = ext.Int8Projections([p.int8_params for p in projections])
+            weights = ext.Int8Projections(
+                [p.int8_params for p in projections],
+                [torch.empty(0) if p.bias is None else p.bias for p in projections],
+                projections[0].activation_levels,
+            )
         else:
             weights = (
                 [p.packed for p in projections], [p.scale_zeros for p in projections],

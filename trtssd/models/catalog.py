@@ -101,23 +101,20 @@ NAMED_ENGINES = {
             "SmolLM2-135M-Instruct (Q4_1) in fp32, drafted by its own weights in int4",
             target=ensure_smollm2_gguf,
         ),
-        # Target fp32: on this CPU (AVX2, no AVX-512) oneDNN has no bf16 kernel (packing bf16
-        # weights fails) and bf16 matmuls are no faster; the target's fp32 logits match
-        # transformers'. Linears oneDNN-packed only: a 6-token verify 2.2x faster than MKL, a
-        # single row ~12% slower, and half the memory of both copies (13 GB for the target).
-        # Draft int4 (its GGUF's weights re-quantized to 4-bit groups), through the compiled
-        # layers: a one-row step 77 ms against 172 ms in fp32 (docs/benchmarks.md).
+        # Target int8 (two activation levels): a one-row decode 3.7x cheaper than fp32 (199 against
+        # 741 ms) at a KL of 0.0027 from fp32 (top-1 agreement 0.97); one level is cheaper still
+        # but too coarse (KL 0.074). fbgemm's int8 cost grows with rows (a 6-token verify costs
+        # 2.4x a decode), so K = 3 beat 2, 4 and 5 for ssd (docs/draft.md). Draft int8 (one level,
+        # compiled layers): 54 / 63 / 105 ms at 1 / 6 / 12 rows against int4's 79 / 202 / 353.
         NamedEngine(
             "qwen2.5-coder-1.5b",
-            "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M) in fp32, drafted by Qwen2.5-Coder-0.5B-Instruct in int4",
+            "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M) in int8, drafted by Qwen2.5-Coder-0.5B-Instruct in int8",
             target=_split(QWEN_CODER_1_5B),
             draft=_split(QWEN_CODER_0_5B),
             family="qwen2",
-            # int4, not int8 (docs/draft.md): int8 steps cost a third at 6-12 rows, but its
-            # activation scale is shared by a tree step's rows, and at T = 0.8 ssd's acceptance
-            # fell from 4.78 to 3.98 tokens a round (greedy: the same); `--draft-dtype int8` builds it.
-            draft_dtype="int4",
-            plain_weights=False,
+            target_dtype="int8",
+            draft_dtype="int8",
+            speculation={"k": 3},
         ),
     )
 }

@@ -37,7 +37,7 @@ import torch
 from trtssd.config import ModelRef, RuntimeConfig, SpeculativeConfig, Transport
 from trtssd.runtime import protocol as P
 from trtssd.runtime.cuda_ipc import CudaIpcBuffers
-from trtssd.runtime.processes import descendants, mapped_segments, start_time
+from trtssd.runtime.processes import descendants, mapped_segments, open_files, start_time
 from trtssd.runtime.transport import Channel, PeerLost, RoundBuffers, SharedBuffers, require_mpi
 
 if TYPE_CHECKING:
@@ -77,12 +77,15 @@ class DraftJob:
     job's processes map are recorded while they run (their name hashes the job's PMI key-value
     space name, which includes a random number, so it cannot be derived from outside), and
     whichever still exist once the job is over are removed: only those, never another program's.
+    Hydra likewise writes its hardware topology to a temporary file (hydra_hwloc_xmlfile_*)
+    that its proxy holds open and that only a clean exit removes: recorded and removed the same way.
     """
 
     def __init__(self, process: subprocess.Popen):
         self.process = process  # mpiexec
         self._processes: dict[int, int] = {}  # pid -> start time (a pid reused later is not ours)
         self._segments: set[str] = set()  # MPICH's /dev/shm names mapped by the job
+        self._files: set[str] = set()  # hydra's temporary files held open by the job
         self._own_segments = _mapped_mpich_segments(os.getpid())  # this process's MPI: never ours to remove
 
     def running(self) -> bool:
@@ -98,6 +101,7 @@ class DraftJob:
                 self._processes.setdefault(pid, start)
         for pid in self._live_processes():
             self._segments |= _mapped_mpich_segments(pid) - self._own_segments
+            self._files |= open_files(pid, HYDRA_TEMP_PREFIXES)
 
     def wait(self, timeout_s: float) -> bool:
         """Wait for mpiexec to exit by itself; True when it did, with status 0."""
@@ -130,8 +134,15 @@ class DraftJob:
             except FileNotFoundError:
                 pass  # MPI_Finalize removed it: the rank exited cleanly
         self._segments.clear()
+        for path in sorted(self._files):
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass  # hydra removed it on a clean exit
+        self._files.clear()
         if removed:
-            log.info("removed MPICH shared memory left by the draft job: %s", ", ".join(removed))
+            log.info("removed what the draft job left (MPICH shared memory, hydra files): %s", ", ".join(removed))
 
     def _live_processes(self) -> list[int]:
         return [pid for pid, start in self._processes.items() if start_time(pid) == start]
@@ -168,6 +179,7 @@ def end_with_target(target_pid: int) -> None:
 
 
 MPICH_SHM_PREFIXES = ("mpich_",)
+HYDRA_TEMP_PREFIXES = ("hydra_hwloc_xmlfile_",)
 
 
 def _mapped_mpich_segments(pid: int) -> set[str]:

@@ -1,7 +1,8 @@
 """What /proc says about a process: its start time (so a reused pid is never mistaken for the
-one we started), the processes below it, and the /dev/shm segments it maps. Used to find and
-clean up after the processes we start (the draft's MPI job, tritonserver) and their segments.
-On a system without /proc every answer is empty."""
+one we started), the processes below it, the /dev/shm segments it maps and the files it holds
+open. Used to find and clean up after the processes we start (the draft's MPI job,
+tritonserver), their segments and their temporary files. On a system without /proc every
+answer is empty."""
 
 from __future__ import annotations
 
@@ -58,3 +59,20 @@ def mapped_segments(pid: int, prefixes: tuple[str, ...]) -> set[str]:
         if path.startswith(SHM_DIR) and name.startswith(prefixes) and not path.endswith("(deleted)"):
             names.add(name)
     return names
+
+
+def open_files(pid: int, name_prefixes: tuple[str, ...]) -> set[str]:
+    """Paths of the files ``pid`` holds open whose name starts with one of ``name_prefixes``."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return set()
+    paths = set()
+    for fd in fds:
+        try:
+            path = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if os.path.basename(path).startswith(name_prefixes) and path.startswith("/"):
+            paths.add(path)
+    return paths

@@ -16,14 +16,16 @@ once; peak memory ~8 GB (transformers' models are freed before ours load).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from pathlib import Path
 
 import pytest
 import torch
 
-from trtssd import LLM, SamplingParams, SpeculativeConfig
+from trtssd import LLM, ModelRef, SamplingParams
 from trtssd.backends.base import Chunk, chain_chunk
+from trtssd.config import Mode
 from trtssd.backends.loading import load_side
 from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.build import build_engine
@@ -32,6 +34,7 @@ from trtssd.models.engine_dir import load_manifest
 from trtssd.models.smollm2 import default_cache_dir
 from trtssd.models.split_wheels import fetch_split_file
 from trtssd.models.tokenizer import encode_text, load_tokenizer
+from trtssd.runtime.launch import start_draft
 from trtssd.runtime.target_loop import TargetLoop
 
 pytestmark = [pytest.mark.slow, pytest.mark.mpi]
@@ -168,29 +171,38 @@ def target_reference(engine, cases) -> list[dict]:
     return _transformers_reference(engine / load_manifest(engine)["target"]["path"], cases)
 
 
-def _greedy_ar(executor, tokenizer) -> list[list[int]]:
-    """Plain greedy decoding of GREEDY_PROMPTS by a target loop of its own over ``executor``
-    (what LLM(mode="ar") runs, without loading the 1.5B again)."""
-    loop = TargetLoop(executor, SpeculativeConfig(mode="ar"), max_batch=len(GREEDY_PROMPTS))
-    ids = [loop.add_request(encode_text(tokenizer, p), GREEDY) for p in GREEDY_PROMPTS]
-    while loop.has_unfinished():
-        loop.step()
-    return [list(loop.pop_finished(i).output) for i in ids]
+def _greedy_by_loop(llm: LLM, engine: Path, mode: Mode) -> tuple[list[list[int]], dict]:
+    """Greedy decoding of GREEDY_PROMPTS in ``mode`` ("ar" or "sd", with a draft job of its
+    own) by a target loop over ``llm``'s loaded target: what LLM(mode=...) runs, without
+    loading the 1.5B again (~50 s with its int8 projections)."""
+    spec = dataclasses.replace(llm.spec, mode=mode)
+    link = None if mode is Mode.AR else start_draft("spawn", ModelRef(str(engine), "draft"), spec, llm.runtime,
+                                                    llm.loop.target.vocab_size)
+    try:
+        loop = TargetLoop(llm.loop.target, spec, len(GREEDY_PROMPTS), llm.tokenizer, draft=link)
+        ids = [loop.add_request(encode_text(llm.tokenizer, p), GREEDY) for p in GREEDY_PROMPTS]
+        while loop.has_unfinished():
+            loop.step()
+        return [list(loop.pop_finished(i).output) for i in ids], loop.metrics.summary()
+    finally:
+        if link is not None:
+            link.close()
 
 
 @pytest.fixture(scope="module")
 def sd_run(engine, cases, target_reference) -> dict:
-    """Greedy sd (the draft as its own MPI job), then greedy ar and our target logits on the same
-    loaded target executor (the 1.5B loads in ~30 s). target_reference is computed first, so that
-    transformers' copy of the model is gone before ours loads."""
-    with LLM(str(engine), mode="sd", max_batch=4, max_seq_len=256) as llm:
-        sd = [o.token_ids for o in llm.generate(GREEDY_PROMPTS, GREEDY)]
-        summary = llm.metrics.summary()
-        ar = _greedy_ar(llm.loop.target, llm.tokenizer)
+    """Greedy ssd (the draft as its own MPI job), then greedy sd (another draft job), greedy ar
+    and our target logits on the same loaded target executor. target_reference is computed
+    first, so that transformers' copy of the model is gone before ours loads."""
+    with LLM(str(engine), mode="ssd", max_batch=4, max_seq_len=256) as llm:
+        runs = {"ssd": ([o.token_ids for o in llm.generate(GREEDY_PROMPTS, GREEDY)], llm.metrics.summary())}
+        llm.loop.draft.close()  # its core goes to the sd run's draft
+        runs["sd"] = _greedy_by_loop(llm, engine, Mode.SD)
+        ar, _ = _greedy_by_loop(llm, engine, Mode.AR)
         logits = _our_logits(llm.loop.target, cases)
     gc.collect()
     assert all(len(t) == GREEDY.max_tokens for t in ar)
-    return {"sd": sd, "summary": summary, "ar": ar, "logits": logits}
+    return {"runs": runs, "ar": ar, "logits": logits}
 
 
 def _fp32_logits(gguf_path: Path, cases) -> list[dict]:
@@ -238,14 +250,8 @@ def test_draft_logits_match_transformers_and_the_quantized_draft_follows(engine,
 
 
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
-def test_greedy_speculative_equals_ar(engine, sd_run, mode):
-    if mode == "sd":
-        tokens, summary = sd_run["sd"], sd_run["summary"]
-    else:  # the default launch (the draft as its own MPI job) loads the two models side by side
-        with LLM(str(engine), mode=mode, max_batch=4, max_seq_len=256) as llm:
-            tokens = [o.token_ids for o in llm.generate(GREEDY_PROMPTS, GREEDY)]
-            summary = llm.metrics.summary()
-        gc.collect()
+def test_greedy_speculative_equals_ar(sd_run, mode):
+    tokens, summary = sd_run["runs"][mode]
     assert summary["degraded_rounds"] == 0 and summary["num_drafts"] > 0
     mismatches = [i for i, (a, b) in enumerate(zip(sd_run["ar"], tokens, strict=True)) if a != b]
     assert not mismatches, f"{mode} differs from ar on prompts {mismatches}"

@@ -101,11 +101,11 @@ NAMED_ENGINES = {
             "SmolLM2-135M-Instruct (Q4_1) in fp32, drafted by its own weights in int4",
             target=ensure_smollm2_gguf,
         ),
-        # Target int8 (two activation levels): a one-row decode 3.7x cheaper than fp32 (199 against
-        # 741 ms) at a KL of 0.0027 from fp32 (top-1 agreement 0.97); one level is cheaper still
-        # but too coarse (KL 0.074). fbgemm's int8 cost grows with rows (a 6-token verify costs
-        # 2.4x a decode), so K = 3 beat 2, 4 and 5 for ssd (docs/draft.md). Draft int8 (one level,
-        # compiled layers): 54 / 63 / 105 ms at 1 / 6 / 12 rows against int4's 79 / 202 / 353.
+        # Target int8 (two activation levels), docs/draft.md and docs/bench/int8-target/: one token
+        # 219-271 ms against fp32's 541, six 387 against 1202, at a KL of 0.0024 from fp32 (top-1
+        # agreement 0.97); one level is cheaper still but too coarse (KL 0.066). fbgemm's int8
+        # cost grows with rows, so K = 3 beat 2, 4 and 5 for ssd. Draft int8 (one level, compiled
+        # layers): 54 / 63 / 105 ms at 1 / 6 / 12 rows against int4's 79 / 202 / 353.
         NamedEngine(
             "qwen2.5-coder-1.5b",
             "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M) in int8, drafted by Qwen2.5-Coder-0.5B-Instruct in int8",
@@ -115,6 +115,9 @@ NAMED_ENGINES = {
             target_dtype="int8",
             draft_dtype="int8",
             speculation={"k": 3},
+            # Built with --target-dtype float32: linears oneDNN-packed only (a 6-token verify 2.2x
+            # faster than MKL, a single row ~12% slower, half the memory: 6 GB for the target).
+            plain_weights=False,
         ),
     )
 }

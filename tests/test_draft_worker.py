@@ -57,3 +57,29 @@ def test_glue_on_a_hit_reuses_the_branch_and_matches_a_fresh_decode(model_dir, t
         keys = sorted(worker.cache[0].entries, key=lambda key: -key[0])
         outcome = Outcome(0, *keys[0])
     assert hits == 5 and captured["adopt"] == [True]
+
+
+def test_auto_fanout_prices_the_tree_by_tree_steps(model_dir):
+    """A tree step attends through a mask and samples every branch, so it costs more than a chain
+    forward of as many rows. The width must be chosen from what tree steps cost (on the Qwen pair,
+    pricing them as chain forwards grew the tree past the verify window: the target waited)."""
+    worker = DraftWorker(_executor(model_dir), SpeculativeConfig(mode=Mode.SSD, k=K, fanout="auto", fanout_budget=12))
+    worker.calibrate(context=16, max_rows=16)
+    assert [n for n, _ in worker.tree_costs.curve().points] == [1, 2, 4, 8, 16]  # tree steps, not the prior
+    chain = {1: 0.060, 2: 0.061, 4: 0.064, 8: 0.080, 16: 0.110}
+    worker.costs.observe("verify_s", 0.37)
+    worker.forward_costs.calibrate(chain)
+    worker.tree_costs.calibrate(chain)
+    cheap_tree = worker._choose_tree_width(1)
+    worker.tree_costs.calibrate({1: 0.057, 2: 0.073, 4: 0.085, 8: 0.133, 16: 0.230})  # measured on the Qwen draft
+    dear_tree = worker._choose_tree_width(1)
+    assert dear_tree < cheap_tree
+    # Tree steps feed the tree's costs only: the chain curve still prices the glue and backups.
+    before = worker.forward_costs.scale
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=50)
+    worker.prefill(Prefill(0, (1, 2, 3, 4, 5), params))
+    worker.answer(SpeculateRequest(0, (Outcome(0, 0, 7),), 0, 0.37, ()))
+    tree_scale = worker.tree_costs.scale
+    worker.prespeculate()
+    assert worker.tree_costs.scale != tree_scale
+    assert worker.forward_costs.scale != before  # the glue's forward

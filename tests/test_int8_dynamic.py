@@ -3,6 +3,9 @@ an int8 draft or an int8 target, and exact speculation on both."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -10,9 +13,11 @@ from test_build import make_tiny_gguf
 from trtssd import LLM, SamplingParams
 from trtssd.backends.base import chain_chunk
 from trtssd.backends.loading import load_side
+from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.build import build_engine
 from trtssd.models.engine_dir import load_manifest
-from trtssd.models.int8_dynamic import Int8DynamicLinear, int8_available
+from trtssd.models.int8_dynamic import Int8DynamicLinear, int8_available, quantize_linears_int8
+from trtssd.models.loader import load_model
 
 pytestmark = pytest.mark.skipif(not int8_available(), reason="torch without a quantized CPU engine")
 
@@ -21,7 +26,7 @@ pytestmark = pytest.mark.skipif(not int8_available(), reason="torch without a qu
 def test_a_rows_output_does_not_depend_on_the_rows_beside_it(levels):
     """A target's verify (K+1 rows) must compute what its one-row decode computes, bit for bit."""
     torch.manual_seed(0)
-    layer = Int8DynamicLinear(torch.randn(96, 64), torch.randn(96), activation_levels=levels)
+    layer = Int8DynamicLinear.from_weight(torch.randn(96, 64), torch.randn(96), activation_levels=levels)
     x = torch.randn(7, 64)
     x[3] *= 50.0  # one loud row would set a shared activation scale for all
     x[5, 10] = -80.0  # and one outlier value
@@ -37,7 +42,7 @@ def test_two_activation_levels_leave_only_the_weights_error():
     x = torch.randn(6, 512)
     x[:, 7] *= 40.0  # an outlier channel, as LLM activations have
     ref = x @ w.T + b
-    err = {levels: ((Int8DynamicLinear(w, b, levels)(x) - ref).norm() / ref.norm()).item() for levels in (1, 2)}
+    err = {levels: ((Int8DynamicLinear.from_weight(w, b, levels)(x) - ref).norm() / ref.norm()).item() for levels in (1, 2)}
     weights_only = ((x @ _int8_weights(w).T + b - ref).norm() / ref.norm()).item()
     assert err[2] < 0.25 * err[1]
     assert err[2] < 1.05 * weights_only
@@ -50,14 +55,14 @@ def _int8_weights(w: torch.Tensor) -> torch.Tensor:
 
 def test_bad_activation_levels_are_rejected():
     with pytest.raises(ValueError, match="activation_levels must be one of"):
-        Int8DynamicLinear(torch.randn(4, 4), activation_levels=3)
+        Int8DynamicLinear.from_weight(torch.randn(4, 4), activation_levels=3)
 
 
 @pytest.mark.parametrize("rows", [1, 6, 40])
 def test_int8_linear_is_close_to_fp32(rows):
     torch.manual_seed(0)
     w, b = torch.randn(96, 64), torch.randn(96)
-    layer = Int8DynamicLinear(w, b)
+    layer = Int8DynamicLinear.from_weight(w, b)
     x = torch.randn(2, rows, 64)
     ref = x @ w.T + b
     y = layer(x)
@@ -72,7 +77,7 @@ def test_int8_linear_keeps_each_output_channels_scale():
     w[0] *= 1e-3
     w[1] *= 1e3
     x = torch.randn(4, 64)
-    y, ref = Int8DynamicLinear(w)(x), x @ w.T
+    y, ref = Int8DynamicLinear.from_weight(w)(x), x @ w.T
     assert torch.allclose(y[:, 0], ref[:, 0], rtol=0.05, atol=0.05 * ref[:, 0].abs().max().item())
 
 
@@ -117,6 +122,32 @@ def test_an_int8_target_runs_two_activation_levels(int8_target_engine):
     assert {m.activation_levels for _, m in target.model.linears()} == {2}
     assert {m.activation_levels for _, m in draft.model.linears()} == {1}
     assert target.model.fused_layers is None  # one code path for decode and verify
+
+
+def test_stored_int8_weights_are_the_load_time_quantization_bit_for_bit(int8_target_engine):
+    """The engine stores int8 codes so loading only packs them; nothing may change on the way."""
+    manifest = load_manifest(int8_target_engine)
+    assert manifest["target"]["int8_weights"] == "target/int8.safetensors"
+    assert manifest["draft"]["int8_weights"] == "draft/int8.safetensors"
+    stored = load_side(int8_target_engine, "target", max_seqs=1, max_seq_len=128, fused=False)
+    fresh = load_model(int8_target_engine / manifest["target"]["path"], torch.float32)
+    quantize_linears_int8(fresh, activation_levels=2)
+    logits = []
+    for ex in (stored, TorchExecutor(fresh, max_seqs=1, max_seq_len=128)):
+        ex.add_sequence(0)
+        logits.append(ex.forward([chain_chunk(0, list(range(5, 40)), 0)])[0])
+    got, want = logits
+    assert torch.equal(got, want)
+
+
+def test_an_engine_without_stored_int8_weights_says_rebuild(int8_target_engine, tmp_path):
+    old = tmp_path / "old-engine"
+    shutil.copytree(int8_target_engine, old)
+    manifest = load_manifest(old)
+    del manifest["target"]["int8_weights"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="int8 weights are not in the engine.*rebuild it"):
+        load_side(old, "target", max_seqs=1, max_seq_len=128)
 
 
 @pytest.mark.parametrize("engine_fixture", ["int8_engine", "int8_target_engine"])

@@ -10,7 +10,7 @@ import pytest
 from trtssd.plan import load_timings, main
 from trtssd.runtime.speedup_model import (CostCurve, StepCostModel, Timings, Workload, acceptance_from_length, best_ssd,
                                           expected_tokens, predict_ar, predict_sd, predict_ssd, recommend,
-                                          time_forwards)
+                                          time_forwards, time_tree_steps)
 from trtssd.spec_decode.fanout import expected_hit_rate, optimal_fanout
 
 
@@ -281,6 +281,18 @@ def test_time_forwards_on_a_scratch_sequence(tmp_path):
     points = time_forwards(ex, max_rows=16, context=16, repeats=1)
     assert sorted(points) == [1, 2, 4, 8, 16] and all(s > 0 for s in points.values())
     ex.add_sequence(0)  # the scratch sequence was released: its slot is free for a request
+
+
+def test_time_tree_steps_only_as_wide_as_the_sequence_holds(tmp_path):
+    from tiny_models import make_tiny_llama
+
+    from trtssd.backends.torch_backend import TorchExecutor
+
+    ex = TorchExecutor.from_pretrained(make_tiny_llama(tmp_path / "m", seed=0), max_seqs=1, max_seq_len=64)
+    # 16 context + 4 glue + 3 steps x 16 branches = 68 slots > 64: 16 branches are not timed.
+    points = time_tree_steps(ex, k=3, max_branches=16, context=16, repeats=1)
+    assert sorted(points) == [1, 2, 4, 8] and all(s > 0 for s in points.values())
+    ex.add_sequence(0)
 
 
 def test_step_cost_model_interpolates_and_follows_load():

@@ -267,8 +267,8 @@ def test_round_chooser_runs_the_faster_mode_and_probes_the_other_less_and_less()
         spec = chooser.speculate(2)
         picks.append(spec)
         chooser.observe(spec, 2, int(rates[spec]), 1.0)
-    assert picks[:2] == [True, False]  # each mode measured once, speculation first
-    probes = [i for i, p in enumerate(picks[2:]) if not p]
+    assert picks[:3] == [True, True, False]  # each mode tried (speculation over 4 rows), speculation first
+    probes = [i for i, p in enumerate(picks[3:]) if not p]
     assert 3 <= len(probes) <= 10  # 4, 8, 16, 32, 64, 64, ... rounds apart
     assert all(b - a >= 4 for a, b in zip(probes, probes[1:]))
     rates = {True: 10.0, False: 30.0}  # the load changed: plain rounds are now faster
@@ -306,6 +306,29 @@ def test_the_switch_back_from_plain_rounds_does_not_make_plain_rounds_look_faste
     as the rate of speculation, plain rounds would win for good."""
     picks, _ = _simulate(RoundChooser(), 600, lambda i: 1, lambda b: 25.0, lambda b: 10.0, lambda b: 6.0)
     assert sum(picks) >= 0.95 * len(picks)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_noisy_speculative_rounds_keep_a_batch_of_one_speculating(seed):
+    """A speculative round yields 1 to K+1 tokens, so one round's tokens/s is noise. Measured on
+    the Qwen pair at batch 1 (greedy math prompts): speculation 1.3x faster than plain rounds,
+    yet the chooser spent 71 of 102 rounds plain, switching on single unlucky rounds."""
+    rng = random.Random(seed)
+    chooser = RoundChooser()
+    picks, streak = [], 0
+    for _ in range(600):
+        spec = chooser.speculate(1)
+        picks.append(spec)
+        if spec:  # K = 3, each proposal accepted with p = 0.85: 3.2 tokens per 0.48 s round
+            accepted = next((n for n in range(3) if rng.random() >= 0.85), 3)
+            steady = streak >= 2
+            seconds = 0.48 * rng.uniform(0.9, 1.1) + (0 if steady else 0.18)  # a cold round re-drafts
+            chooser.observe(True, 1, accepted + 1, seconds, steady=steady)
+            streak += 1
+        else:  # 1 token per 0.2 s
+            chooser.observe(False, 1, 1, 0.2 * rng.uniform(0.95, 1.05))
+            streak = 0
+    assert sum(picks) >= 0.85 * len(picks)
 
 
 def test_unmeasured_batch_sizes_borrow_the_choice_of_their_neighbours():

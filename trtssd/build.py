@@ -11,9 +11,12 @@ optional second one as the draft) into ``<out_dir>/<name>/``::
     draft/model.safetensors the int4 self-draft: 4-bit groups of every projection
                             (``int4.<linear>.codes|scales|mins``) and the remaining fp32
                             parameters (``param.<name>``: embedding, norms, biases)
-    draft/model.gguf        or: a separate draft model, run by torch like the target, or with
-                            int8 projections made at load time (draft_dtype "int8")
+    draft/model.gguf        or: a separate draft model, run by torch like the target
                             (or draft/: a Hugging Face directory)
+    target/int8.safetensors a side run with int8 projections (target_dtype / draft_dtype "int8",
+    draft/int8.safetensors  trtssd.models.int8_dynamic): ``int8.<linear>.codes|scales`` and the
+                            remaining fp32 parameters (``param.<name>``), so loading only packs
+                            them; the side's model file stays (CUDA devices run it in fp32)
     tokenizer/              the Hugging Face tokenizer of the target (from its GGUF metadata,
                             chat template included, or from its directory)
 
@@ -53,9 +56,13 @@ from trtssd.kernels.draft_layers import load_extension
 from trtssd.models.config import ModelConfig
 from trtssd.models.catalog import DEFAULT_ENGINE, NAMED_ENGINES
 from trtssd.models.engine_dir import (
-    DRAFT_DIR, DRAFT_FILE, DRAFT_GGUF, FORMAT_VERSION, MANIFEST, TARGET_DIR, TARGET_FILE, TOKENIZER_DIR, is_engine_dir,
+    DRAFT_DIR, DRAFT_FILE, DRAFT_GGUF, DRAFT_INT8, FORMAT_VERSION, MANIFEST, TARGET_DIR, TARGET_FILE, TARGET_INT8,
+    TOKENIZER_DIR, is_engine_dir,
 )
-from trtssd.models.loader import GGUFTensor, gguf_config, gguf_sources, is_gguf, load_config, read_gguf, unpermute_rows
+from trtssd.models.int8_dynamic import int8_checkpoint
+from trtssd.models.loader import (
+    GGUFTensor, gguf_config, gguf_sources, is_gguf, load_config, load_state_dict, read_gguf, unpermute_rows,
+)
 from trtssd.models.quant import gguf_linear_groups, pack_nibbles
 from trtssd.models.tokenizer import load_tokenizer
 
@@ -63,7 +70,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_HEAD_TOP_K = 16  # draft logits re-scored exactly in fp32 (docs/draft.md: agreement 0.90 -> ~1.0)
 # Code whose change alters what a build produces: its hash is part of the no-op check.
-_BUILD_CODE = ("build.py", "models/quant.py", "models/loader.py", "models/dequant.py", "models/config.py")
+_BUILD_CODE = ("build.py", "models/quant.py", "models/int8_dynamic.py", "models/loader.py", "models/dequant.py",
+               "models/config.py")
 _TOKENIZER_KEYS = (
     "tokenizer.ggml.model",
     "tokenizer.ggml.pre",
@@ -460,10 +468,13 @@ def _build(recipe: Recipe, engine: Path, fingerprint: dict, progress: bool) -> N
         log.info("building engine %s from %s (draft: %s, %s)", recipe.name, recipe.target, recipe.draft,
                  recipe.draft_dtype)
         target = _target_entry(recipe, _place_model(recipe.target, stage, TARGET_FILE, TARGET_DIR))
+        if recipe.target_dtype == "int8":
+            _write_int8(recipe.target, stage / TARGET_INT8, "target", progress)
         if recipe.draft_dtype == "int4":
             draft = _int4_draft_entry(recipe, _write_draft(recipe.draft, stage / DRAFT_FILE, progress))
         elif recipe.draft_dtype == "int8":
             draft = _int8_draft_entry(recipe, _place_model(recipe.draft, stage, DRAFT_GGUF, DRAFT_DIR))
+            _write_int8(recipe.draft, stage / DRAFT_INT8, "draft", progress)
         else:
             draft = _torch_draft_entry(recipe, _place_model(recipe.draft, stage, DRAFT_GGUF, DRAFT_DIR))
         tokenizer = _save_tokenizer(recipe.target, target_tok, stage)
@@ -536,21 +547,34 @@ def _torch_side(path: str, dtype: str, plain_weights: bool) -> dict:
     }
 
 
+def _write_int8(source: Path, dest: Path, side: str, progress: bool) -> None:
+    """The int8 weights of a side (trtssd.models.int8_dynamic.int8_checkpoint) from its fp32 ones."""
+    cfg, state = load_state_dict(source)
+    bar = lambda names: tqdm(names, desc=f"int8 {side}", unit="proj", disable=not progress)  # noqa: E731
+    tensors = int8_checkpoint(cfg, state, bar)
+    del state
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(dest), metadata={"format_version": str(FORMAT_VERSION)})
+
+
 def _target_entry(recipe: Recipe, path: str) -> dict:
     if recipe.target_dtype == "int8":
-        return _int8_entry(_torch_side(path, TORCH_DTYPES[0], recipe.plain_weights), TARGET_INT8_LEVELS)
+        return _int8_entry(_torch_side(path, TORCH_DTYPES[0], recipe.plain_weights), TARGET_INT8_LEVELS, TARGET_INT8)
     return _torch_side(path, recipe.target_dtype, recipe.plain_weights)
 
 
-def _int8_entry(fp32_entry: dict, levels: int) -> dict:
-    """A side run in fp32 (its model placed as is), with projections made int8 at load time."""
+def _int8_entry(fp32_entry: dict, levels: int, weights_file: str) -> dict:
+    """A side run with int8 projections from ``weights_file``; its model placed as is stays the
+    source (and what a CUDA device runs, in fp32)."""
     return {
-        **fp32_entry,
+        **{key: value for key, value in fp32_entry.items() if key != "linears"},  # no fp32 projections
         "backend": "torch-int8",
         "dtype": "float32 activations, KV, norms and attention; int8 inside the projections",
+        "int8_weights": weights_file,
+        "weights": f"{weights_file}: int8 projections and the fp32 rest, made at build time from the model's "
+                   "weights and packed for fbgemm at load time",
         "projections": f"int8 per output channel; activations quantized per row at each forward in {levels} "
-                       "level(s) of 7 bits (fbgemm dynamic linear), made from the weights at load time "
-                       "(trtssd/models/int8_dynamic.py)",
+                       "level(s) of 7 bits (fbgemm dynamic linear; trtssd/models/int8_dynamic.py)",
         "activation_levels": levels,
         "lm_head": "int8, like the projections",
     }
@@ -566,7 +590,7 @@ def _torch_draft_entry(recipe: Recipe, path: str) -> dict:
 
 def _int8_draft_entry(recipe: Recipe, path: str) -> dict:
     return {
-        **_int8_entry(_torch_draft_entry(recipe, path), DRAFT_INT8_LEVELS),
+        **_int8_entry(_torch_draft_entry(recipe, path), DRAFT_INT8_LEVELS, DRAFT_INT8),
         "execution": f"forwards of up to {FUSED_MAX_TOKENS} tokens: compiled layers "
                      "(trtssd/kernels/draft_layers.cpp, built on first load); wider ones: torch layers",
     }

@@ -9,12 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.config import ModelRef
 from trtssd.devices import resolve_device
 from trtssd.models.engine_dir import attach_fused_layers, is_engine_dir, load_draft_model, load_manifest
-from trtssd.models.int8_dynamic import quantize_linears_int8
+from trtssd.models.config import ModelConfig
+from trtssd.models.int8_dynamic import load_int8_model
 from trtssd.models.loader import load_model
 from trtssd.models.tokenizer import load_tokenizer
 
@@ -61,8 +63,7 @@ def load_side(engine_dir: str | os.PathLike, side: str, *, max_seqs: int = 4, ma
     if entry["backend"] == "torch-int8":
         # Only the draft takes the compiled layers: the target's one-row decode and its verify
         # must run the same code (a verify wider than the layers' limit would not).
-        model = _int8_model(engine_dir / entry["path"], device, entry.get("activation_levels", 1),
-                            fused=fused and side == "draft", side=side)
+        model = _int8_model(engine_dir, manifest, side, device, fused=fused and side == "draft")
         return TorchExecutor(model, max_seqs=max_seqs, max_seq_len=max_seq_len, **executor_options)
     if entry["backend"] == "torch-int4" and side == "draft":
         # The compiled few-row layers are CPU code: a CUDA draft runs the plain layers.
@@ -71,17 +72,21 @@ def load_side(engine_dir: str | os.PathLike, side: str, *, max_seqs: int = 4, ma
     raise ValueError(f"{engine_dir}: unknown {side} backend {entry['backend']!r}; rebuild the engine")
 
 
-def _int8_model(path: Path, device: torch.device, levels: int, fused: bool, side: str):
-    """The model in fp32 with its projections made int8 (trtssd.models.int8_dynamic) and, when
-    ``fused``, its compiled few-row layers. The int8 kernel is CPU code: on a GPU the side runs
-    its fp32 weights."""
-    model = load_model(path, torch.float32, device=device)
-    if device.type == "cpu":
-        quantize_linears_int8(model, levels)
-        if fused:
-            attach_fused_layers(model)
-    else:
+def _int8_model(engine_dir: Path, manifest: dict, side: str, device: torch.device, fused: bool):
+    """The side's stored int8 weights, packed (trtssd.models.int8_dynamic), with the compiled
+    few-row layers when ``fused``. The int8 kernel is CPU code: on a GPU the side runs its model
+    file in fp32."""
+    entry = manifest[side]
+    if device.type != "cpu":
         log.warning("int8 projections are CPU only; the %s runs in fp32 on %s", side, device)
+        return load_model(engine_dir / entry["path"], torch.float32, device=device)
+    if "int8_weights" not in entry:
+        raise ValueError(f"{engine_dir}: the {side}'s int8 weights are not in the engine (built by an older "
+                         "trtssd); rebuild it with `trtssd build`")
+    cfg = ModelConfig.from_json(entry["config"] if side == "draft" else manifest["architecture"])
+    model = load_int8_model(load_file(str(engine_dir / entry["int8_weights"])), cfg, entry["activation_levels"])
+    if fused:
+        attach_fused_layers(model)
     return model
 
 

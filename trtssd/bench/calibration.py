@@ -23,6 +23,7 @@ from trtssd.runtime.speedup_model import (
     Timings,
     Workload,
     acceptance_from_length,
+    middle_tree_step,
     predict_ar,
     predict_sd,
     predict_ssd,
@@ -30,7 +31,6 @@ from trtssd.runtime.speedup_model import (
     time_forward,
 )
 from trtssd.spec_decode.backup import ngram_proposal
-from trtssd.spec_decode.tree import TreeLayout
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +91,7 @@ def _tree_samples(ex, seqs: list[int], batch_sizes, ks, budgets, context: int, r
     for b in batch_sizes:
         for k in ks:
             for bud in budgets:
-                lay = [TreeLayout(s, context, k, torch.arange(bud) % (k + 1), torch.ones(bud, dtype=torch.long))
-                       for s in seqs[:b]]
-                step = (k - 1) // 2  # a middle step: its mask is of average width
-                chunks = [l.step_chunk(step, torch.ones(bud, dtype=torch.long)) for l in lay]
+                chunks = [middle_tree_step(s, context, k, bud) for s in seqs[:b]]
                 samples.setdefault(b * bud, []).append(time_forward(ex, chunks, repeats))
     return samples
 

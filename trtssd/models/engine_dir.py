@@ -29,6 +29,8 @@ TARGET_FILE = "target/model.gguf"  # a GGUF target
 DRAFT_DIR = "draft"  # a Hugging Face draft run by torch
 DRAFT_GGUF = "draft/model.gguf"  # a GGUF draft run by torch
 DRAFT_FILE = "draft/model.safetensors"  # the int4 self-draft
+TARGET_INT8 = "target/int8.safetensors"  # a target run with int8 projections: its stored weights
+DRAFT_INT8 = "draft/int8.safetensors"  # same for a separate draft
 TOKENIZER_DIR = "tokenizer"
 
 

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
 
-from trtssd.models.llama import LlamaModel
+from trtssd.models.config import ModelConfig
+from trtssd.models.llama import LlamaModel, linear_names
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,10 @@ def rowwise_linear_dynamic(x: torch.Tensor, int8_params, levels: int = 1) -> tor
     return out * (absmax / ROW_RANGE)
 
 
+_NO_ENGINE = ("this torch build has no fbgemm/x86 quantized engine: int8 projections need one "
+              f"(supported: {torch.backends.quantized.supported_engines})")
+
+
 def int8_available() -> bool:
     """Whether this torch build has a CPU engine for quantized dynamic linears (fbgemm / x86)."""
     return bool({"fbgemm", "x86"} & set(torch.backends.quantized.supported_engines))
@@ -76,30 +82,39 @@ class Int8DynamicLinear(nn.Module):
     """y = x @ W.T + b with W as per-output-channel symmetric int8; x quantized per row per call,
     in ``activation_levels`` levels of 7 bits."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, activation_levels: int = 1) -> None:
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                 activation_levels: int = 1) -> None:
+        """codes int8 [out, in] and scales float64 [out]: a weight as ``quantize_weight`` makes it."""
         super().__init__()
         if activation_levels not in ACTIVATION_LEVELS:
             raise ValueError(f"activation_levels must be one of {ACTIVATION_LEVELS}, got {activation_levels!r}")
+        if codes.dtype != torch.int8 or codes.dim() != 2 or tuple(scales.shape) != (codes.shape[0],):
+            raise ValueError(f"expected int8 codes [out, in] and one scale per row; got {codes.dtype} "
+                             f"{tuple(codes.shape)} and scales {tuple(scales.shape)}")
         self.activation_levels = activation_levels
-        w = weight.detach().to(device="cpu", dtype=torch.float32)
-        self.out_features, self.in_features = w.shape
-        scales = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny).double()
+        self.out_features, self.in_features = codes.shape
         zero_points = torch.zeros(self.out_features, dtype=torch.long)
         with warnings.catch_warnings():
             # torch 2.13 marks quantized tensor creation as deprecated; fbgemm's prepack still
             # takes only a quantized weight, and the packed result holds no quantized tensor.
             warnings.simplefilter("ignore", UserWarning)
-            qweight = torch.quantize_per_channel(w, scales, zero_points, 0, torch.qint8)
+            qweight = torch._make_per_channel_quantized_tensor(codes, scales.double(), zero_points, 0)
             # No bias inside: fbgemm would add it before the row's scale is multiplied back.
             self.int8_params = torch.ops.quantized.linear_prepack(qweight, None)
         self.bias = None if bias is None else bias.detach().to(device="cpu", dtype=torch.float32).contiguous()
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    activation_levels: int = 1) -> "Int8DynamicLinear":
+        """Quantized from an fp32 weight [out, in]."""
+        return cls(*quantize_weight(weight), bias, activation_levels)
 
     @classmethod
     def from_linear(cls, module: nn.Module, activation_levels: int = 1) -> "Int8DynamicLinear":
         weight = getattr(module, "weight", None)
         if weight is None or weight.numel() == 0:
             raise ValueError(f"{type(module).__name__} holds no plain weight to quantize")
-        return cls(weight, getattr(module, "bias", None), activation_levels)
+        return cls.from_weight(weight, getattr(module, "bias", None), activation_levels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.float32)
@@ -113,12 +128,58 @@ class Int8DynamicLinear(nn.Module):
                 f"{self.activation_levels} activation level(s)")
 
 
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes int8 [out, in], scales float64 [out]): ``weight`` rounded to int8 with one symmetric
+    scale per output channel (its absolute maximum over 127)."""
+    w = weight.detach().to(device="cpu", dtype=torch.float32)
+    scales = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny).double()
+    zero_points = torch.zeros(w.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # deprecated quantized tensors: see Int8DynamicLinear
+        return torch.quantize_per_channel(w, scales, zero_points, 0, torch.qint8).int_repr(), scales
+
+
+def int8_checkpoint(cfg: ModelConfig, state: Mapping[str, torch.Tensor],
+                    progress: Callable[[Iterable[str]], Iterable[str]] = iter) -> dict[str, torch.Tensor]:
+    """What an engine stores for a side run with int8 projections, from its fp32 state dict (our
+    parameter layout): ``int8.<linear>.codes`` and ``.scales`` for every projection (a tied head
+    quantizes the embedding) and ``param.<name>`` for the rest (embedding, norms, biases), so
+    that loading only packs (``load_int8_model``). ``progress`` wraps the loop over projections."""
+    rest = dict(state)
+    tensors = {}
+    for name in progress(linear_names(cfg)):
+        weight = state["embed.weight"] if name == "lm_head" and cfg.tie_word_embeddings else rest.pop(f"{name}.weight")
+        tensors[f"int8.{name}.codes"], tensors[f"int8.{name}.scales"] = quantize_weight(weight)
+    tensors.update({f"param.{k}": v.to(torch.float32).contiguous() for k, v in rest.items()})
+    return tensors
+
+
+def load_int8_model(stored: Mapping[str, torch.Tensor], cfg: ModelConfig, activation_levels: int) -> LlamaModel:
+    """The model an ``int8_checkpoint`` describes: weights packed for fbgemm, nothing re-quantized,
+    so its projections are those of ``quantize_linears_int8`` on the fp32 model, bit for bit."""
+    if not int8_available():
+        raise RuntimeError(_NO_ENGINE)
+
+    def stored_linear(name: str, in_features: int, out_features: int, bias: bool) -> nn.Module:
+        try:
+            codes, scales = stored[f"int8.{name}.codes"], stored[f"int8.{name}.scales"]
+        except KeyError as err:
+            raise ValueError(f"int8 weights lack {err}; rebuild the engine") from None
+        return Int8DynamicLinear(codes, scales, stored.get(f"param.{name}.bias"), activation_levels)
+
+    model = LlamaModel(cfg, stored_linear)
+    linears = set(linear_names(cfg))
+    # Projection biases live in their Int8DynamicLinear; the rest are the model's parameters.
+    model.load_weights({k[len("param."):]: v for k, v in stored.items()
+                        if k.startswith("param.") and k[len("param."):].rpartition(".")[0] not in linears})
+    return model.eval()
+
+
 def quantize_linears_int8(model: LlamaModel, activation_levels: int = 1) -> int:
     """Replace every projection of ``model`` (attention, MLP and output head) by an
     ``Int8DynamicLinear`` of its fp32 weight; returns how many were replaced."""
     if not int8_available():
-        raise RuntimeError("this torch build has no fbgemm/x86 quantized engine: int8 projections need one "
-                           f"(supported: {torch.backends.quantized.supported_engines})")
+        raise RuntimeError(_NO_ENGINE)
     count = 0
     for name, module in list(model.linears()):
         model.set_linear(name, Int8DynamicLinear.from_linear(module, activation_levels))

@@ -257,6 +257,13 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def linear_names(cfg: ModelConfig) -> list[str]:
+    """The model's projections: layers.{i}.attn.qkv / .attn.o / .mlp.gate_up / .mlp.down, and
+    lm_head."""
+    per_layer = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
+    return [f"layers.{i}.{p}" for i in range(cfg.num_layers) for p in per_layer] + ["lm_head"]
+
+
 class LlamaModel(nn.Module):
     """Token ids -> hidden states over the KV pool; ``logits`` projects chosen rows to the vocab.
 
@@ -307,14 +314,9 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed.weight
 
     def linears(self) -> Iterator[tuple[str, nn.Module]]:
-        """Every swappable projection, by name: layers.{i}.attn.qkv / .attn.o / .mlp.gate_up /
-        .mlp.down, and lm_head."""
-        for i, layer in enumerate(self.layers):
-            yield f"layers.{i}.attn.qkv", layer.attn.qkv
-            yield f"layers.{i}.attn.o", layer.attn.o
-            yield f"layers.{i}.mlp.gate_up", layer.mlp.gate_up
-            yield f"layers.{i}.mlp.down", layer.mlp.down
-        yield "lm_head", self.lm_head
+        """Every swappable projection, by name (``linear_names``)."""
+        for name in linear_names(self.config):
+            yield name, self.get_submodule(name)
 
     def set_linear(self, name: str, module: nn.Module) -> None:
         """Replace one projection (a name from ``linears()``) with any module of the same in/out."""

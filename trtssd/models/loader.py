@@ -332,6 +332,19 @@ def load_model(
         before_weights(cfg)
     with torch.device(device):  # parameters are allocated on the device; load_weights copies into their device
         model = LlamaModel(cfg, make_linear)
-    model.load_weights(gguf_state_dict(gguf, cfg) if gguf is not None else hf_state_dict(path, cfg))
+    model.load_weights(_state_dict(path, gguf, cfg))
     log.info("loaded %s (%s, %d layers, hidden %d) from %s", cfg.arch, dtype, cfg.num_layers, cfg.hidden_size, path)
     return model.to(dtype).eval()
+
+
+def load_state_dict(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The configuration and the fp32 tensors (our parameter layout) of a Hugging Face directory
+    or a GGUF file, without making a model."""
+    path = Path(path)
+    gguf = read_gguf(path) if is_gguf(path) else None
+    cfg = gguf_config(gguf) if gguf is not None else load_config(path)
+    return cfg, _state_dict(path, gguf, cfg)
+
+
+def _state_dict(path: Path, gguf: GGUFFile | None, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    return gguf_state_dict(gguf, cfg) if gguf is not None else hf_state_dict(path, cfg)

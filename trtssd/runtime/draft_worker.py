@@ -32,7 +32,8 @@ from trtssd.backends.base import Executor, chain_chunk
 from trtssd.config import Backup, Mode, Source, SpeculativeConfig
 from trtssd.runtime.protocol import Outcome, Prefill, SpeculateRequest
 from trtssd.runtime.speedup_model import (BackupCosts, CostCurve, StepCostModel, Timings, Workload,
-                                          acceptance_from_length, prefer_neural, best_ssd, time_forwards)
+                                          acceptance_from_length, prefer_neural, best_ssd, time_forwards,
+                                          time_tree_steps)
 from trtssd.sampling import SamplingParams, processed_probs, sample_with_uniforms
 from trtssd.spec_decode.backup import ngram_proposal
 from trtssd.spec_decode.cache import CachedSpeculation, PreSpeculation, pre_speculation
@@ -98,15 +99,20 @@ class DraftWorker:
         self.acceptance = AcceptanceEstimator()
         self.power_law = PowerLawEstimator()
         self.costs = BackupCosts()
-        self.forward_costs = StepCostModel()  # draft forward seconds by rows, for the auto fan-out
+        self.forward_costs = StepCostModel()  # chain forward seconds by rows (glue, backup drafts)
+        self.tree_costs = StepCostModel()  # tree step seconds (forward and sampling) by branches
         self._answered: list[int] = []  # sequences of the last answer, to pre-speculate for
 
     def calibrate(self, context: int = 128, max_rows: int = 64) -> dict[int, float]:
-        """Time draft forwards of 1, 2, 4, ... rows on a scratch sequence, so the auto fan-out
-        knows from the first round what a wider tree costs on this machine. Returns {rows: s}."""
+        """Time draft chain forwards of 1, 2, 4, ... rows and tree steps of as many branches on a
+        scratch sequence, so the auto fan-out knows from the first round what a wider tree costs
+        on this machine. Returns the chain forwards' {rows: s}."""
         points = time_forwards(self.executor, max_rows, context)
         self.forward_costs.calibrate(points)
-        log.info("draft forward seconds by rows: %s", {r: round(t, 4) for r, t in points.items()})
+        tree = time_tree_steps(self.executor, self.k, max_rows, context)
+        self.tree_costs.calibrate(tree)
+        log.info("draft seconds by rows: chain forward %s, tree step %s",
+                 {r: round(t, 4) for r, t in points.items()}, {r: round(t, 4) for r, t in tree.items()})
         return points
 
     # --- sequences ---------------------------------------------------------------------------
@@ -299,7 +305,8 @@ class DraftWorker:
         fast_a = acceptance_from_length(min(max(self.costs.tokens_fast, 1.0), self.k + 1), self.k)
         workload = Workload(self.acceptance.value, r=law.r, c=law.c, fast_acceptance=fast_a)
         # The verify is one measured number; a one-point curve returns it for any size.
-        timings = Timings(CostCurve(((1.0, self.costs.verify_s),)), self.forward_costs.curve())
+        timings = Timings(CostCurve(((1.0, self.costs.verify_s),)), self.forward_costs.curve(),
+                          tree=self.tree_costs.curve())
         backups = ("neural",) if self.spec.backup is Backup.NEURAL else ("neural", "fast")
         best = best_ssd(timings, workload, batch, ks=(self.k,), budgets=range(1, self.spec.budget + 1),
                         backups=backups)
@@ -400,9 +407,11 @@ class DraftWorker:
         inputs = [layouts[i][0].fork_token for i in live]
         steps, step_logits = [], []
         for d in range(self.k):
-            outs = self._timed_forward([layouts[i][0].step_chunk(d, x) for i, x in zip(live, inputs)])
-            logits = torch.cat(outs)
+            t0 = time.perf_counter()
+            logits = torch.cat(self.executor.forward([layouts[i][0].step_chunk(d, x) for i, x in zip(live, inputs)]))
             tok, q = self._sample(logits, branch_seqs, [f[d] for f in fan_rows], uniforms[:, d])
+            # Sampling is part of a step's price: over a 152k vocabulary it is not negligible.
+            self.tree_costs.observe(len(branch_seqs), time.perf_counter() - t0)
             steps.append((tok, q))
             step_logits.append(logits)
             inputs = list(tok.split([layouts[i][0].num_branches for i in live]))

@@ -8,21 +8,28 @@ Each try that confirms the choice doubles the wait before the next (up to ``max_
 so a clear winner costs almost nothing in probes. Every path is exact, so the choice changes
 speed, never the output distribution.
 
-Two things keep the measurements honest under serving, where the batch size changes with every
-arrival and departure:
+Three things keep the measurements honest under serving, where the batch size changes with every
+arrival and departure, and a speculative round yields anything from 1 to K+1 tokens per row:
 
+- A rate is the ratio of running sums (tokens over seconds), and a try of speculation lasts
+  until ``speculative_try_rows`` rows have been measured (4 rounds of one row, 1 of four: a
+  round's yield is a sum over its rows; a plain round always yields one token per row, so one
+  round measures it). A single speculative round's tokens/s at batch 1 is noise: taken as the verdict, one early
+  rejection sent a batch of one to plain rounds for most of a run on the Qwen pair, where
+  speculation was 1.3x faster.
 - A row's first speculative rounds (just admitted, or back from plain rounds) miss, glue what
   the draft has not seen, and wait for pre-speculation to catch up: not the steady rate of
-  speculation. Such *unsteady* rounds are not measured, and a try of speculation lasts until a
-  steady round has been. Should unsteady rounds be all there is (a stream of arrivals), they
+  speculation. Such *unsteady* rounds are not measured, and a try of speculation lasts until its
+  steady rounds have been. Should unsteady rounds be all there is (a stream of arrivals), they
   count after ``max_unsteady`` in a row.
 - A batch size not yet measured borrows the answer of its neighbours, because speculation's
   advantage shrinks as the batch grows: where plain rounds won at a smaller batch they win here,
   where speculation won at a larger batch it wins here. Only a size with no such evidence is
   tried, speculation first.
 
-Switching itself costs (those unsteady rounds), so a change of batch size switches mode only for
-a clear gain: the other mode must have measured ``switch_margin`` faster at the new size.
+Switching itself costs (those unsteady rounds), and running sums wander, so the mode of a batch
+size is decided when a try ends (the faster one wins); between tries it changes only when the
+other mode has measured ``switch_margin`` faster, and so does a change of batch size.
 """
 
 from __future__ import annotations
@@ -31,46 +38,73 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class _Rate:
+    """Running sums of one mode's rounds: tokens / seconds is its rate."""
+
+    tokens: float
+    seconds: float
+
+    @property
+    def value(self) -> float:
+        return self.tokens / self.seconds
+
+
+@dataclass
 class _BatchSize:
-    rate: dict[bool, float] = field(default_factory=dict)  # speculative? -> tokens/s
+    rates: dict[bool, _Rate] = field(default_factory=dict)  # speculative? -> its rate
     probe_every: int = 0  # rounds between tries of the slower mode
     since_probe: int = 0
-    probing: bool = False  # trying the slower mode, until one of its rounds is measured
+    mode: bool | None = None  # the mode decided here (True: speculation); None before both ran
+    trying: bool | None = None  # the mode a pending try runs
+    try_left: int = 0  # rows the try still needs measured
+    try_spent: int = 0  # rounds the try has run, measured or not
+    try_spent_measured: int = 0  # of which measured
 
 
 @dataclass
 class RoundChooser:
     min_probe_every: int = 16  # rounds between tries of the slower mode, after a flip
     max_probe_every: int = 512
-    decay: float = 0.7  # weight of the past in the running averages
+    decay: float = 0.8  # weight of the past in the running sums
+    speculative_try_rows: int = 4  # rows measured in a try of speculation (of plain rounds: one round)
     max_unsteady: int = 4  # unsteady rounds in a row after which they are measured
-    switch_margin: float = 0.25  # how much faster the other mode must be to switch to it
+    switch_margin: float = 0.25  # how much faster the other mode must be to switch to it on a batch change
     _by_batch: dict[int, _BatchSize] = field(default_factory=dict)
     _unsteady: int = 0  # unsteady rounds in a row
     _last: bool | None = None  # the mode of the last round
+    _last_batch: int | None = None  # the batch size of the last round
 
     def speculate(self, batch: int) -> bool:
         """True to speculate this round."""
         self._last = self._speculate(batch)
+        self._last_batch = batch
         return self._last
 
     def _speculate(self, batch: int) -> bool:
         b = self._entry(batch)
-        if b.probing:  # a try whose rounds so far were unsteady goes on
-            return self._probed_mode(batch)
-        if len(b.rate) < 2:
+        if b.mode is None:  # not measured here yet: the neighbours' answer, else a try
             inferred = self._inferred(batch)
             if inferred is not None:
+                b.trying = None  # rounds of the borrowed mode measure it here meanwhile
                 return inferred
-            return True not in b.rate  # unmeasured modes are tried, speculation first
-        faster = self.choice(batch)
+            if b.trying is None:
+                self._start_try(b, True not in b.rates, batch)
+        if b.trying is not None:
+            b.try_spent += 1
+            # A try goes on until its rounds are measured; under a stream of arrivals they may
+            # never be steady, and a try of the slower mode must not run for good.
+            if b.try_spent <= self._try_rounds(b.trying, batch) + self.max_unsteady or b.mode is None:
+                return b.trying
+            self._end_try(b)
         b.since_probe += 1
         if b.since_probe >= b.probe_every:
-            b.since_probe, b.probing = 0, True
-            return not faster
-        if self._last is not None and faster != self._last and b.rate[faster] < (1 + self.switch_margin) * b.rate[self._last]:
-            return self._last  # not worth a switch
-        return faster
+            b.since_probe = 0
+            return self._start_try(b, not b.mode, batch)
+        if self._clearly_faster(b, not b.mode):  # the load changed since the last try
+            b.mode, b.probe_every = not b.mode, self.min_probe_every
+        if batch != self._last_batch and self._last is not None and not self._clearly_faster(b, b.mode, self._last):
+            return self._last  # an arrival or a departure: not worth a switch
+        return b.mode
 
     def observe(self, speculative: bool, batch: int, tokens: int, seconds: float, steady: bool = True) -> None:
         """One round's result. ``steady``: False for a speculative round some row of which has
@@ -81,36 +115,64 @@ class RoundChooser:
         if 0 < self._unsteady < self.max_unsteady:
             return
         b = self._entry(batch)
-        if b.probing and speculative != self._probed_mode(batch):
+        if b.trying is not None and speculative != b.trying:
             return  # a try of the other mode is pending; this round (chosen elsewhere) is not it
-        before = self.choice(batch)
-        rate = tokens / seconds
-        old = b.rate.get(speculative)
-        b.rate[speculative] = rate if old is None or b.probing else self.decay * old + (1 - self.decay) * rate
-        if b.probing:  # a try's round replaces the stale average, then backs off or resets
-            b.probing = False
-            b.probe_every = (self.min_probe_every if self.choice(batch) != before
-                             else min(2 * b.probe_every, self.max_probe_every))
+        rate = b.rates.get(speculative)
+        if b.trying is None:  # the decided mode, or one borrowed from the neighbours
+            if rate is None:
+                b.rates[speculative] = _Rate(tokens, seconds)
+            else:
+                rate.tokens = self.decay * rate.tokens + (1 - self.decay) * tokens
+                rate.seconds = self.decay * rate.seconds + (1 - self.decay) * seconds
+            if b.mode is None and len(b.rates) == 2:
+                b.mode = b.rates[True].value >= b.rates[False].value
+            return
+        if b.try_spent_measured == 0 or rate is None:  # a try's first round: the stale sums go
+            b.rates[speculative] = _Rate(tokens, seconds)
+        else:  # a try sums its rounds, unweighted
+            rate.tokens += tokens
+            rate.seconds += seconds
+        b.try_spent_measured += 1
+        b.try_left -= batch if speculative else b.try_left
+        if b.try_left <= 0:
+            self._end_try(b)
 
     def choice(self, batch: int) -> bool | None:
-        """The mode measured faster at a batch size (True: speculate), None before both ran."""
-        rate = self._by_batch.get(batch, _BatchSize()).rate
-        return rate[True] >= rate[False] if len(rate) == 2 else None
+        """The mode decided at a batch size (True: speculate), None before both were tried."""
+        b = self._by_batch.get(batch)
+        return None if b is None else b.mode
 
     def rate(self, speculative: bool, batch: int) -> float | None:
         """Measured tokens/s of a mode at a batch size (None before any round of it)."""
         b = self._by_batch.get(batch)
-        return None if b is None else b.rate.get(speculative)
+        return None if b is None or speculative not in b.rates else b.rates[speculative].value
 
     # --- helpers -----------------------------------------------------------------------------
 
     def _entry(self, batch: int) -> _BatchSize:
         return self._by_batch.setdefault(batch, _BatchSize(probe_every=self.min_probe_every))
 
-    def _probed_mode(self, batch: int) -> bool:
-        """The mode a pending try is for: the slower one, or the unmeasured one."""
-        faster = self.choice(batch)
-        return (True not in self._by_batch[batch].rate) if faster is None else not faster
+    def _clearly_faster(self, b: _BatchSize, mode: bool, than: bool | None = None) -> bool:
+        """Whether ``mode`` measured ``switch_margin`` faster than ``than`` (the other mode)."""
+        than = (not mode) if than is None else than
+        return mode != than and b.rates[mode].value > (1 + self.switch_margin) * b.rates[than].value
+
+    def _try_rounds(self, speculative: bool, batch: int) -> int:
+        """Measured rounds a try of a mode takes at a batch size."""
+        return -(-self.speculative_try_rows // batch) if speculative else 1
+
+    def _start_try(self, b: _BatchSize, speculative: bool, batch: int) -> bool:
+        b.trying, b.try_left = speculative, self.speculative_try_rows if speculative else 1
+        b.try_spent = b.try_spent_measured = 0
+        return speculative
+
+    def _end_try(self, b: _BatchSize) -> None:
+        """Decide with what the try measured; back off when it confirmed the mode."""
+        b.trying = None
+        if len(b.rates) == 2:
+            before, b.mode = b.mode, b.rates[True].value >= b.rates[False].value
+            b.probe_every = (min(2 * b.probe_every, self.max_probe_every) if b.mode == before
+                             else self.min_probe_every)
 
     def _inferred(self, batch: int) -> bool | None:
         """The choice borrowed from measured neighbours (see the module docstring), or None."""

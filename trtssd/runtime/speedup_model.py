@@ -35,8 +35,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping, Sequence
 
+import torch
+
 from trtssd.backends.base import Chunk, Executor, chain_chunk
 from trtssd.spec_decode.fanout import expected_hit_rate, optimal_fanout
+from trtssd.spec_decode.tree import TreeLayout
 
 DEFAULT_KS = tuple(range(1, 9))  # lookaheads searched by `recommend`
 DEFAULT_BUDGETS = (1, 2, 4, 6, 8, 12, 16, 24, 32)  # fan-out budgets (branches per sequence) searched
@@ -267,12 +270,38 @@ def scratch_sequences(executor: Executor, count: int, context: int) -> Iterator[
 def time_forwards(executor: Executor, max_rows: int = 64, context: int = 128, repeats: int = 3) -> dict[int, float]:
     """{rows: seconds} of chain forwards of 1, 2, 4, ... rows (up to ``max_rows`` and what the
     executor holds) after a ``context``-token prefix: the shape of a `StepCostModel`."""
-    limit = getattr(executor, "max_batch_tokens", None) or executor.max_seq_len
-    context = max(1, min(context, limit, executor.max_seq_len // 2))
-    cap = min(max_rows, limit, executor.max_seq_len - context)
-    sizes = [r for r in (1, 2, 4, 8, 16, 32, 64, 128) if r <= cap] or [1]
+    context, sizes = _timing_sizes(executor, max_rows, context, lambda rows: rows)
     with scratch_sequences(executor, 1, context) as (sid,):
         return {rows: time_forward(executor, [chain_chunk(sid, [1] * rows, context)], repeats) for rows in sizes}
+
+
+def middle_tree_step(seq_id: int, context: int, k: int, branches: int) -> Chunk:
+    """A tree step of ``branches`` forks spread over the depths, after a ``context``-token prefix:
+    the middle step, whose mask is of average width."""
+    layout = TreeLayout(seq_id, context, k, torch.arange(branches) % (k + 1), torch.ones(branches, dtype=torch.long))
+    return layout.step_chunk((k - 1) // 2, torch.ones(branches, dtype=torch.long))
+
+
+def time_tree_steps(executor: Executor, k: int, max_branches: int = 64, context: int = 128,
+                    repeats: int = 3) -> dict[int, float]:
+    """{branches: seconds} of tree steps of 1, 2, 4, ... branches of one sequence. A tree step
+    attends through a mask, so it costs more than a chain forward of as many rows (1.3x at 4 rows
+    and 2x at 12 for the Qwen2.5-Coder-0.5B draft): a tree priced as chain forwards looks cheaper
+    than it is, and the auto fan-out grows it past the verify window."""
+    _check_k(k)
+    context, sizes = _timing_sizes(executor, max_branches, context, lambda branches: k + 1 + k * branches)
+    with scratch_sequences(executor, 1, context) as (sid,):
+        return {n: time_forward(executor, [middle_tree_step(sid, context, k, n)], repeats) for n in sizes}
+
+
+def _timing_sizes(executor: Executor, most: int, context: int, slots) -> tuple[int, list[int]]:
+    """The context and the sizes 1, 2, 4, ... (up to ``most``) whose forward fits the executor's
+    token budget and whose ``slots(size)`` region slots fit its sequences after the context."""
+    limit = getattr(executor, "max_batch_tokens", None) or executor.max_seq_len
+    context = max(1, min(context, limit, executor.max_seq_len // 2))
+    sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128)
+             if n <= min(most, limit) and context + slots(n) <= executor.max_seq_len]
+    return context, sizes or [1]
 
 
 # --- workload ------------------------------------------------------------------------------------

@@ -74,6 +74,7 @@ def test_engine_layout(engine):
     target, draft = manifest["target"], manifest["draft"]
     assert (target["backend"], target["activation_levels"], target["format"]) == ("torch-int8", 2, "gguf")
     assert (draft["backend"], draft["activation_levels"], draft["config"]["num_layers"]) == ("torch-int8", 1, 24)
+    assert (target["int8_weights"], draft["int8_weights"]) == ("target/int8.safetensors", "draft/int8.safetensors")
     assert manifest["speculation"] == {"k": 3}
     assert manifest["build"]["outputs"]["target/model.gguf"] == QWEN_CODER_1_5B.sha256
     assert manifest["tokenizer"]["vocab_size"] == 151936 and manifest["tokenizer"]["chat_template"]

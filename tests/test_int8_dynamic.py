@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from trtssd.backends.loading import load_side
 from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.build import build_engine
 from trtssd.models.engine_dir import load_manifest
-from trtssd.models.int8_dynamic import Int8DynamicLinear, int8_available, quantize_linears_int8
+from trtssd.models.int8_dynamic import Int8DynamicLinear, int8_available, quantize_linears_int8, quantize_weight
 from trtssd.models.loader import load_model
 
 pytestmark = pytest.mark.skipif(not int8_available(), reason="torch without a quantized CPU engine")
@@ -51,6 +52,16 @@ def test_two_activation_levels_leave_only_the_weights_error():
 def _int8_weights(w: torch.Tensor) -> torch.Tensor:
     scale = w.abs().amax(dim=1, keepdim=True) / 127.0
     return torch.round(w / scale).clamp(-127, 127) * scale
+
+
+def test_quantize_weight_rounds_as_torchs_per_channel_quantization():
+    w = torch.randn(257, 300) * torch.rand(257, 1) * 4
+    codes, scales = quantize_weight(w)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        want = torch.quantize_per_channel(w, scales, torch.zeros(257, dtype=torch.long), 0, torch.qint8)
+    assert codes.dtype == torch.int8 and torch.equal(codes, want.int_repr())
+    assert torch.equal(scales, want.q_per_channel_scales())
 
 
 def test_bad_activation_levels_are_rejected():

@@ -285,9 +285,10 @@ def middle_tree_step(seq_id: int, context: int, k: int, branches: int) -> Chunk:
 def time_tree_steps(executor: Executor, k: int, max_branches: int = 64, context: int = 128,
                     repeats: int = 3) -> dict[int, float]:
     """{branches: seconds} of tree steps of 1, 2, 4, ... branches of one sequence. A tree step
-    attends through a mask, so it costs more than a chain forward of as many rows (1.3x at 4 rows
-    and 2x at 12 for the Qwen2.5-Coder-0.5B draft): a tree priced as chain forwards looks cheaper
-    than it is, and the auto fan-out grows it past the verify window."""
+    attends through a mask, so it costs more than a chain forward of as many rows (12 branches
+    of the Qwen2.5-Coder-0.5B draft: 1.5-2.5x a 12-row chain extrapolated, in two calibrations):
+    a tree priced as chain forwards looks cheaper than it is, and the auto fan-out grows it past
+    the verify window."""
     _check_k(k)
     context, sizes = _timing_sizes(executor, max_branches, context, lambda branches: k + 1 + k * branches)
     with scratch_sequences(executor, 1, context) as (sid,):

@@ -16,7 +16,7 @@ arrival and departure, and a speculative round yields anything from 1 to K+1 tok
   round's yield is a sum over its rows; a plain round always yields one token per row, so one
   round measures it). A single speculative round's tokens/s at batch 1 is noise: taken as the verdict, one early
   rejection sent a batch of one to plain rounds for most of a run on the Qwen pair, where
-  speculation was 1.3x faster.
+  speculation was 1.7x faster.
 - A row's first speculative rounds (just admitted, or back from plain rounds) miss, glue what
   the draft has not seen, and wait for pre-speculation to catch up: not the steady rate of
   speculation. Such *unsteady* rounds are not measured, and a try of speculation lasts until its

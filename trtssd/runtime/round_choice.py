@@ -58,7 +58,6 @@ class _BatchSize:
     trying: bool | None = None  # the mode a pending try runs
     try_left: int = 0  # rows the try still needs measured
     try_spent: int = 0  # rounds the try has run, measured or not
-    try_spent_measured: int = 0  # of which measured
 
 
 @dataclass
@@ -88,7 +87,7 @@ class RoundChooser:
                 b.trying = None  # rounds of the borrowed mode measure it here meanwhile
                 return inferred
             if b.trying is None:
-                self._start_try(b, True not in b.rates, batch)
+                self._start_try(b, True not in b.rates)
         if b.trying is not None:
             b.try_spent += 1
             # A try goes on until its rounds are measured; under a stream of arrivals they may
@@ -99,7 +98,7 @@ class RoundChooser:
         b.since_probe += 1
         if b.since_probe >= b.probe_every:
             b.since_probe = 0
-            return self._start_try(b, not b.mode, batch)
+            return self._start_try(b, not b.mode)
         if self._clearly_faster(b, not b.mode):  # the load changed since the last try
             b.mode, b.probe_every = not b.mode, self.min_probe_every
         if batch != self._last_batch and self._last is not None and not self._clearly_faster(b, b.mode, self._last):
@@ -127,13 +126,12 @@ class RoundChooser:
             if b.mode is None and len(b.rates) == 2:
                 b.mode = b.rates[True].value >= b.rates[False].value
             return
-        if b.try_spent_measured == 0 or rate is None:  # a try's first round: the stale sums go
+        if b.try_left == self._try_rows(speculative) or rate is None:  # a try's first round: the stale sums go
             b.rates[speculative] = _Rate(tokens, seconds)
         else:  # a try sums its rounds, unweighted
             rate.tokens += tokens
             rate.seconds += seconds
-        b.try_spent_measured += 1
-        b.try_left -= batch if speculative else b.try_left
+        b.try_left -= batch
         if b.try_left <= 0:
             self._end_try(b)
 
@@ -157,13 +155,16 @@ class RoundChooser:
         than = (not mode) if than is None else than
         return mode != than and b.rates[mode].value > (1 + self.switch_margin) * b.rates[than].value
 
+    def _try_rows(self, speculative: bool) -> int:
+        """Rows a try of a mode measures (a plain round's yield is fixed: one round will do)."""
+        return self.speculative_try_rows if speculative else 1
+
     def _try_rounds(self, speculative: bool, batch: int) -> int:
         """Measured rounds a try of a mode takes at a batch size."""
-        return -(-self.speculative_try_rows // batch) if speculative else 1
+        return -(-self._try_rows(speculative) // batch)
 
-    def _start_try(self, b: _BatchSize, speculative: bool, batch: int) -> bool:
-        b.trying, b.try_left = speculative, self.speculative_try_rows if speculative else 1
-        b.try_spent = b.try_spent_measured = 0
+    def _start_try(self, b: _BatchSize, speculative: bool) -> bool:
+        b.trying, b.try_left, b.try_spent = speculative, self._try_rows(speculative), 0
         return speculative
 
     def _end_try(self, b: _BatchSize) -> None:

@@ -83,3 +83,52 @@ def test_auto_fanout_prices_the_tree_by_tree_steps(model_dir):
     worker.prespeculate()
     assert worker.tree_costs.scale != tree_scale
     assert worker.forward_costs.scale != before  # the glue's forward
+
+
+def _first_round(model_dir, params: SamplingParams, first_tree: bool):
+    """A new sequence's first answer (outcome: the draft's own top guess of the first token),
+    with or without the first token's tree made before it; returns (worker, answer)."""
+    worker = DraftWorker(_executor(model_dir), SpeculativeConfig(mode=Mode.SSD, k=K, fanout="auto", fanout_budget=3))
+    worker.prefill(Prefill(0, (1, 2, 3, 4, 5, 6), params))
+    first = int(worker._first[0].argmax())
+    if first_tree:
+        assert worker.prespeculate_first_tokens() == 1
+        assert not worker._first  # made once
+    return worker, worker.answer(SpeculateRequest(0, (Outcome(0, 0, first),), 0, 0.01, ()))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_the_first_round_hits_the_tree_made_during_prefill(model_dir, temperature):
+    """SSD for the first round: while the target prefills, the draft forks its guesses of the
+    first token and drafts after each. The first answer is then a hit, with the proposals a
+    just-in-time draft would have made (seeded: the same stream for the same outcome), and the
+    glue after it adopts the branch exactly."""
+    params = SamplingParams(temperature=temperature, seed=9, max_tokens=100)
+    _, jit = _first_round(model_dir, params, first_tree=False)
+    worker, hit = _first_round(model_dir, params, first_tree=True)
+    assert jit.sources == [Source.NEURAL] and hit.sources == [Source.HIT]
+    assert torch.equal(hit.tokens, jit.tokens)
+    if temperature:
+        assert (hit.probs - jit.probs).abs().max() < 1e-5
+    glue = worker._glue
+    captured = {}
+
+    def spy(seqs):
+        captured["adopt"] = seqs[0].hit is not None
+        captured["rows"] = glue(seqs)
+        return captured["rows"]
+
+    worker._glue = spy
+    worker.prespeculate()
+    seq = worker.seqs[0]
+    ref = _executor(model_dir)
+    ref.add_sequence(0)
+    want = ref.forward([chain_chunk(0, seq.history + seq.last_spec, 0)])[0][-(K + 1):]
+    assert captured["adopt"] and (captured["rows"][0] - want).abs().max() < 1e-4
+
+
+def test_a_first_round_asked_before_its_tree_is_a_backup(model_dir):
+    """The target's request came first (the draft was not idle): no tree is made afterwards."""
+    worker, ans = _first_round(model_dir, SamplingParams(temperature=0, max_tokens=100), first_tree=False)
+    assert ans.sources == [Source.NEURAL]
+    assert worker.prespeculate_first_tokens() == 0

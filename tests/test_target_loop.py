@@ -18,7 +18,6 @@ from trtssd.backends.base import chain_chunk
 from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.config import Source
 from trtssd.runtime.round_choice import RoundChooser
-from trtssd.runtime.transport import PeerLost
 from trtssd.sampling import processed_probs
 from trtssd.spec_decode.saguaro import saguaro_probs
 
@@ -58,6 +57,19 @@ def test_joins_and_leaves_keep_greedy_output_and_release_everything(tiny, mode):
         assert len(worker.seqs) <= 2 and not (set(worker.cache) - set(worker.seqs))
     assert got == ref
     assert summary["degraded_rounds"] == 0
+
+
+def test_every_first_round_is_speculated_during_prefill(tiny):
+    """With the draft idle while the target prefills (as LocalDraft always is), each request's
+    first round is answered from the tree of its first token. A draft that is the target guesses
+    the greedy first token with one branch, so no first round of a batch of 3 misses (before,
+    every one did), and the output is still plain greedy."""
+    params = SamplingParams(temperature=0, max_tokens=2)  # the first token, then one round
+    ref = _ar(tiny, PROMPTS[:3], params)
+    with _llm(tiny, "ssd", draft=tiny[0], max_batch=3, fanout=(1, 0, 0, 0, 0), k=4) as llm:
+        outs = llm.generate(PROMPTS[:3], params)
+    assert [o.token_ids for o in outs] == ref
+    assert [(o.metrics["cache_hits"], o.metrics["cache_misses"]) for o in outs] == [(1, 0)] * 3
 
 
 def test_the_draft_forgets_finished_sequences(tiny):

@@ -3,7 +3,8 @@
 `DraftLink` (trtssd.runtime.draft_link) is the real one: a separate MPI process. `LocalDraft` runs
 the same `DraftServer` and `DraftWorker` in this process, synchronously: the target loop's tests
 use it without MPI, and it serves single-process debugging. It pre-speculates right after
-answering instead of during the verification, which changes timing, never tokens.
+answering instead of during the verification, and a new sequence's first round just before
+answering it instead of during the target's prefill, which changes timing, never tokens.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class LocalDraft:
         if not self.alive:
             raise PeerLost(self.failure or "draft unavailable")
         try:
+            self.server.when_idle()  # where the draft rank would have been idle: the target's prefill
             reply = self.server.handle(req)
             self.server.after_reply()
         except Exception as err:  # noqa: BLE001 - reported as a lost draft, as over MPI

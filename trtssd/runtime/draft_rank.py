@@ -71,6 +71,8 @@ def _loop(channel: Channel, server: DraftServer) -> None:
         if reply is not None:
             channel.send(reply, P.REPLY_TAG)
             server.after_reply()  # overlaps the target's verification
+        if not channel.poll(P.CONTROL_TAG):
+            server.when_idle()  # overlaps the target's prefill of new sequences
 
 
 def main(argv: list[str] | None = None) -> None:

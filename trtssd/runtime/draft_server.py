@@ -78,3 +78,11 @@ class DraftServer:
             t0 = time.perf_counter()
             self._branches = self.worker.prespeculate()
             self._prespec_s = time.perf_counter() - t0
+
+    def when_idle(self) -> None:
+        """SSD, with no message waiting: pre-speculate the first round of sequences just
+        prefilled, while the target still prefills them."""
+        if self.worker.spec.mode is Mode.SSD:
+            t0 = time.perf_counter()
+            if self.worker.prespeculate_first_tokens():
+                self._prespec_s += time.perf_counter() - t0

@@ -8,9 +8,11 @@
     populate     the next round's cache
 
 `answer` runs while the target waits; `prespeculate` (glue -> fork -> tree -> populate) runs
-while the target verifies. Every proposal is sampled from a known distribution that travels with
-it (Saguaro q', `trtssd.spec_decode.saguaro.saguaro_probs`), or is deterministic and marked as a
-point mass, so the target's verification is exact either way.
+while the target verifies. A new sequence's first round has no speculation to glue to: while the
+target prefills, `prespeculate_first_tokens` forks the draft's guesses of the first token and
+drafts a tree from each, so that round can hit too. Every proposal is sampled from a known
+distribution that travels with it (Saguaro q', `trtssd.spec_decode.saguaro.saguaro_probs`), or
+is deterministic and marked as a point mass, so the target's verification is exact either way.
 
 Seeded requests: the draft draws its uniforms from a counter-based stream keyed by (seed, round,
 outcome): the tree branch for outcome (k, b) of round r and a just-in-time draft answering that
@@ -38,12 +40,15 @@ from trtssd.sampling import SamplingParams, processed_probs, sample_with_uniform
 from trtssd.spec_decode.backup import ngram_proposal
 from trtssd.spec_decode.cache import CachedSpeculation, PreSpeculation, pre_speculation
 from trtssd.spec_decode.fanout import AcceptanceEstimator, PowerLawEstimator, optimal_fanout
-from trtssd.spec_decode.saguaro import saguaro_probs, select_forks_batched
+from trtssd.spec_decode.saguaro import saguaro_probs, select_forks_batched, top_tokens
 from trtssd.spec_decode.tree import TreeLayout, append_chunk
 
 log = logging.getLogger(__name__)
 
 NO_SCALING = -1  # a fan-out of -1 leaves a row's q unscaled in saguaro_probs
+# Rounds a tree width chosen by the speedup model is kept: its inputs are running averages that
+# move slowly, and the search costs milliseconds a round the draft would otherwise wait out.
+WIDTH_REFRESH_ROUNDS = 8
 
 
 @dataclass
@@ -102,6 +107,8 @@ class DraftWorker:
         self.forward_costs = StepCostModel()  # chain forward seconds by rows (glue, backup drafts)
         self.tree_costs = StepCostModel()  # tree step seconds (forward and sampling) by branches
         self._answered: list[int] = []  # sequences of the last answer, to pre-speculate for
+        self._first: dict[int, torch.Tensor] = {}  # new sequences' prompt logits [V], until their first tree
+        self._widths: dict[int, tuple[int, int]] = {}  # batch size -> (tree width, rounds left)
 
     def calibrate(self, context: int = 128, max_rows: int = 64) -> dict[int, float]:
         """Time draft chain forwards of 1, 2, 4, ... rows and tree steps of as many branches on a
@@ -119,12 +126,15 @@ class DraftWorker:
 
     def prefill(self, msg: Prefill) -> None:
         self.executor.add_sequence(msg.seq_id)
-        self.executor.forward([chain_chunk(msg.seq_id, msg.prompt, 0, last_logits_only=True)])
+        logits = self.executor.forward([chain_chunk(msg.seq_id, msg.prompt, 0, last_logits_only=True)])[0]
         self.executor.commit(msg.seq_id, len(msg.prompt))
         self.seqs[msg.seq_id] = DraftSequence(msg.seq_id, msg.params, list(msg.prompt))
+        if self.spec.mode is Mode.SSD:
+            self._first[msg.seq_id] = logits[-1]
 
     def release(self, seq_ids) -> None:
         for sid in seq_ids:
+            self._first.pop(sid, None)
             if self.seqs.pop(sid, None) is not None:
                 self.executor.release(sid)
                 self.cache.pop(sid, None)
@@ -134,6 +144,8 @@ class DraftWorker:
     def answer(self, req: SpeculateRequest) -> Answer:
         """The speculation for each row's actual outcome: cached on a hit, else a backup."""
         self.release(req.released)
+        for o in req.outcomes:  # asked before its first tree was made: a backup answers it
+            self._first.pop(o.seq_id, None)
         seqs = [self._advance(o) for o in req.outcomes]
         pres = [self.cache.pop(s.seq_id, None) for s in seqs]
         # After plain rounds the pre-speculation answers a state the sequence has moved past.
@@ -158,11 +170,34 @@ class DraftWorker:
             return 0
         t0 = time.perf_counter()
         glue_logits = self._glue(seqs)
-        layouts = self._fork(seqs, glue_logits, self._choose_tree_width(len(seqs)))
+        layouts = self._fork(seqs, glue_logits, self._tree_width(len(seqs)))
         drafts, step_logits = self._tree(seqs, layouts)
         self._populate(seqs, layouts, drafts, step_logits)
         self.costs.observe("prespec_s", time.perf_counter() - t0)
         return round(sum(lay.num_branches for lay, _ in layouts) / len(seqs))
+
+    def prespeculate_first_tokens(self) -> int:
+        """SSD for the first round, while the target prefills: fork the draft's top guesses of
+        each new sequence's first token (all at depth 0, nothing is glued) and draft K tokens
+        after each, so the first round is a cache hit rather than a just-in-time draft. Returns
+        the sequences it made trees for."""
+        seqs = [self.seqs[sid] for sid in self._first if sid in self.seqs]
+        logits = torch.stack([self._first[s.seq_id] for s in seqs]) if seqs else None
+        self._first = {}
+        if not seqs:
+            return 0
+        width = self._tree_width(len(seqs))
+        fans = [self._fit(s, [width] + [0] * self.k) for s in seqs]
+        order = top_tokens(self._fork_scores(logits[:, None, :], seqs)[:, 0], max(f[0] for f in fans))
+        layouts = []
+        for s, fan, candidates in zip(seqs, fans, order):
+            forks = candidates[:fan[0]]
+            layouts.append((TreeLayout(s.seq_id, self.executor.committed(s.seq_id), self.k,
+                                       torch.zeros_like(forks), forks, glued=False), fan))
+        # Saguaro skews a token by the fan-out that will be cached after it: a regular tree's.
+        drafts, step_logits = self._tree(seqs, layouts, [self._fanout(s, width) for s in seqs])
+        self._populate(seqs, layouts, drafts, step_logits)
+        return len(seqs)
 
     # --- answer ------------------------------------------------------------------------------
 
@@ -192,7 +227,8 @@ class DraftWorker:
                 self.costs.observe("tokens_neural", outcome.num_accepted + 1)
             elif seq.last_source is Source.FAST:
                 self.costs.observe("tokens_fast", outcome.num_accepted + 1)
-            forks = pre.forks_at(outcome.num_accepted) if pre is not None else 0
+            # The first token's guesses are not bonus guesses after a rejection: not the law's evidence.
+            forks = pre.forks_at(outcome.num_accepted) if pre is not None and pre.layout.glued else 0
             if forks:  # a depth without candidates always misses: no evidence on c or r
                 self.power_law.update([forks], [found is not None])
 
@@ -295,6 +331,14 @@ class DraftWorker:
 
     # --- pre-speculation (SSD) ---------------------------------------------------------------
 
+    def _tree_width(self, batch: int) -> int:
+        """`_choose_tree_width`, chosen again every WIDTH_REFRESH_ROUNDS rounds of a batch size."""
+        width, left = self._widths.get(batch, (0, 0))
+        if left <= 0:
+            width, left = self._choose_tree_width(batch), WIDTH_REFRESH_ROUNDS
+        self._widths[batch] = (width, left - 1)
+        return width
+
     def _choose_tree_width(self, batch: int) -> int:
         """Branches per sequence this round. Auto fan-out: the speedup model (ALGORITHM.md
         section 8) over widths 1..fanout_budget, fed with the live draft forward costs and the
@@ -365,11 +409,7 @@ class DraftWorker:
               width: int) -> list[tuple[TreeLayout, list[int]]]:
         """The fork candidates of every sequence (one batched top-k), as tree layouts."""
         fanouts = [self._fit(s, self._fanout(s, width)) for s in seqs]
-        logits = torch.stack(glue_logits)  # [n, K+1, V]
-        greedy = torch.tensor([s.params.is_greedy for s in seqs])[:, None, None]
-        # Greedy rows rank by the logits' softmax (same order as the argmax chain); the others by
-        # the processed q the bonus residual is computed from.
-        scores = torch.where(greedy, torch.softmax(logits.float(), dim=-1), processed_probs(logits, [s.params for s in seqs]))
+        scores = self._fork_scores(torch.stack(glue_logits), seqs)  # [n, K+1, V]
         forks = select_forks_batched(scores, torch.tensor([s.last_spec for s in seqs]), torch.tensor(fanouts))
         layouts = []
         for i, s in enumerate(seqs):
@@ -377,6 +417,16 @@ class DraftWorker:
             layout = TreeLayout(s.seq_id, self.executor.committed(s.seq_id), self.k, forks.depth[mine], forks.token[mine])
             layouts.append((layout, fanouts[i]))
         return layouts
+
+    def _fork_scores(self, logits: torch.Tensor, seqs: list[DraftSequence]) -> torch.Tensor:
+        """What fork candidates are ranked by, [n, rows, V]: greedy rows by their logits (the
+        argmax chain's order), the others by the processed q the bonus is drawn against."""
+        sampled = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
+        if not sampled:
+            return logits
+        scores = logits.float().clone()
+        scores[sampled] = processed_probs(logits[sampled], [seqs[i].params for i in sampled])
+        return scores
 
     def _fit(self, seq: DraftSequence, fan: list[int]) -> list[int]:
         """Trim the fan-out to what can exist (never an error): at most V - 1 candidates below
@@ -391,11 +441,15 @@ class DraftWorker:
             fan[j] -= 1
         return fan
 
-    def _tree(self, seqs: list[DraftSequence], layouts: list[tuple[TreeLayout, list[int]]]):
+    def _tree(self, seqs: list[DraftSequence], layouts: list[tuple[TreeLayout, list[int]]],
+              saguaro_fans: list[list[int]] | None = None):
         """K tokens for every branch of every sequence: one forward per depth, all batched.
+        ``saguaro_fans``: per sequence, the F_d its tokens are skewed by (default: its tree's).
         Returns the drafts of all branches in sequence order and each step's logits."""
+        if saguaro_fans is None:
+            saguaro_fans = [fan for _, fan in layouts]
         branch_seqs, keys, fan_rows = [], [], []
-        for s, (lay, fan) in zip(seqs, layouts):
+        for s, (lay, _), fan in zip(seqs, layouts, saguaro_fans):
             for j, c in zip(lay.fork_depth.tolist(), lay.fork_token.tolist()):
                 branch_seqs.append(s)
                 keys.append((s.round, j, c))

@@ -6,7 +6,7 @@ scales q_j's top-(F_j + 1) probabilities by C <= 1, lowers q' on exactly those g
 raises the residual mass there and so the cache hit rate. Verification stays exact because the
 target verifies with the same q' rows the draft sampled from (trtssd.spec_decode.verify).
 
-Both functions rank tokens the same way (`_top`: descending probability, ties to the lower id),
+Both functions rank tokens the same way (`top_tokens`: descending probability, ties to the lower id),
 so the scaled set and the fork candidates agree. Only the top few ranks are ever needed, so they
 come from a top-k, not a sort of the whole vocabulary (a 49k-wide sort costs ~6 ms per row on a
 CPU core).
@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 
-def _top(q: torch.Tensor, m: int) -> torch.Tensor:
+def top_tokens(q: torch.Tensor, m: int) -> torch.Tensor:
     """Ids of the m most probable tokens of each row [..., m], most probable first.
 
     Ties inside the top m go to the lower id. A tie straddling rank m is broken by topk's own
@@ -56,7 +56,7 @@ def saguaro_probs(q: torch.Tensor, fanout: torch.Tensor | int, c: float) -> torc
     m = int(fanout.max()) + 1 if fanout.numel() else 0
     if m <= 0:
         return q
-    top = _top(q, m)  # [..., m]
+    top = top_tokens(q, m)  # [..., m]
     take = torch.arange(top.shape[-1], device=q.device) < (fanout[..., None] + 1)  # F < 0 -> none
     scaled = torch.zeros_like(q, dtype=torch.bool).scatter_(-1, top, take)
     weighted = torch.where(scaled, q * c, q)
@@ -80,6 +80,7 @@ def select_forks_batched(
 
     glue_probs: [N, K+1, V] the draft's processed distribution q (not q') from the glue decode;
                 row j is the distribution of the bonus if exactly j proposals are accepted.
+                Only its order counts: a greedy row may pass its logits.
     proposals:  [N, K] the speculation the glue decode ran over.
     fanout:     [K+1] or [N, K+1] ints >= 0.
 
@@ -103,7 +104,7 @@ def select_forks_batched(
         raise ValueError(f"fanout F_j must be in [0, V-1={vocab - 1}] for j < K and [0, V={vocab}] "
                          f"for j = K, got {fanout.tolist()}")
     # One more than the widest fan-out, since a row may have to skip its excluded proposal.
-    order = _top(glue_probs, (int(fanout.max()) if fanout.numel() else 0) + 1)  # [N, K+1, m]
+    order = top_tokens(glue_probs, (int(fanout.max()) if fanout.numel() else 0) + 1)  # [N, K+1, m]
     # Push the excluded proposal (depth j < K) to the end of its row's order, keeping the rest.
     excluded = torch.zeros_like(order, dtype=torch.bool)
     excluded[:, :k_max] = order[:, :k_max] == proposals[..., None]

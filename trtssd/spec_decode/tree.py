@@ -5,6 +5,10 @@ holds those K+1 tokens at region slots 0..K. Fork (j, c) continues after b, s_1.
 tree tokens sit at logical positions N+j+1+d. Their KV goes to scratch slots after the glue,
 laid out step-major: branch i at step d uses region slot K+1 + d*nb + i. A branch sees the
 prefix, glue slots 0..j and its own earlier tree slots, never other branches (ALGORITHM.md §3).
+
+The first token's tree (made while the target prefills, before any speculation exists) has no
+glue: its forks are guesses of the token after the prompt, at logical position N + d, and its
+tree slots start right after the prefix.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ class TreeLayout:
     k: int  # lookahead; the glue holds k+1 tokens
     fork_depth: torch.Tensor  # [nb] long, j of each branch
     fork_token: torch.Tensor  # [nb] long, c of each branch
+    glued: bool = True  # False: the first token's tree, continuing the prefix itself (no glue)
 
     @property
     def num_branches(self) -> int:
@@ -30,7 +35,7 @@ class TreeLayout:
 
     @property
     def glue_len(self) -> int:
-        return self.k + 1
+        return self.k + 1 if self.glued else 0
 
     def region_len(self) -> int:
         """Region slots used by glue plus a full K-step tree."""
@@ -49,7 +54,7 @@ class TreeLayout:
         return Chunk(
             seq_id=self.seq_id,
             tokens=tokens.to(torch.long),
-            positions=self.committed + self.fork_depth + 1 + step,
+            positions=self.committed + step + (self.fork_depth + 1 if self.glued else torch.zeros_like(self.fork_depth)),
             slots=self.committed + region_slots,
             mask=mask,
         )

@@ -50,6 +50,7 @@ class Script:
     tokens_per_chunk: int = 3  # usage says chunks * tokens_per_chunk tokens: counting chunks would be wrong
     prompt_tokens: int = 7
     metrics: bool = True
+    silent_first: bool = False  # the first token chunk has no text (a special token)
 
 
 # Per served request: 5 drafts of 4 tokens, accepted 4, 3, 2, 1 at positions 0..3 (10 in all), 3 hits, 1 miss.
@@ -146,7 +147,8 @@ class StandIn:
         for i in range(s.chunks):
             if i:
                 await asyncio.sleep(s.gap_s)
-            await self._send(resp, self._chunk(chat, "tok " * s.tokens_per_chunk))
+            text = "" if s.silent_first and i == 0 else "tok " * s.tokens_per_chunk
+            await self._send(resp, self._chunk(chat, text, token=True))
             if drop:  # the connection dies mid-stream
                 request.transport.close()
                 return resp
@@ -159,9 +161,9 @@ class StandIn:
         return resp
 
     @staticmethod
-    def _chunk(chat: bool, text: str, role: bool = False, finish: str | None = None) -> dict:
+    def _chunk(chat: bool, text: str, role: bool = False, finish: str | None = None, token: bool = False) -> dict:
         if chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text or token else {})
             return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta,
                                                                     "finish_reason": finish}]}
         return {"object": "text_completion", "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
@@ -322,6 +324,19 @@ def test_failures_are_counted_not_fatal(tmp_path):
     assert set(errors) == {"prompts/q1", "prompts/q3"}  # FAIL and DROP
     assert "500" not in errors["prompts/q3"]  # a disconnect mid-stream is a failed request too
     assert report.runs[0].spec["drafts"] == 4 * DRAFTS  # only served requests moved the counters
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_a_first_token_without_text_is_the_first_token(tmp_path, endpoint):
+    """A special token decodes to no text, yet it is a token: TTFT is its chunk's arrival, as in
+    `vllm bench serve` (counting only chunks with text put the first round of a speculative
+    server, not its first token, into TTFT)."""
+    server = StandIn(Script(ttft_s=0.08, gap_s=0.3, silent_first=True, metrics=False))
+    with serving(server) as url:
+        report = run_serve_benchmark(config(tmp_path, url, ["a", "b"], endpoint=endpoint, loads=(Load(1),)))
+    s = report.runs[0].summary
+    assert s["completed"] == 2 and 75 <= s["median_ttft_ms"] <= 80 + 150  # not 80 + 300
+    assert len([g for r in report.runs[0].requests for g in r.itl_s]) == 2 * 4
 
 
 def test_chat_endpoint_request_rate_and_body(tmp_path):

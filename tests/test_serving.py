@@ -17,7 +17,7 @@ import pytest
 
 from sse_client import add_event, scrape, stream_request, Streamed
 from tiny_models import make_tiny_llama
-from trtssd import LLM, ModelRef
+from trtssd import LLM, ModelRef, SamplingParams
 from trtssd.serving.openai_server import OpenAIServer
 from trtssd.serving.uvicorn_runner import BackgroundServer
 
@@ -106,6 +106,23 @@ def test_streaming_gives_the_same_answer_as_non_streaming(served, client, path):
         assert whole["object"] == "chat.completion" and choice["message"]["role"] == "assistant"
         assert deltas[0]["object"] == "chat.completion.chunk"
         assert deltas[0]["choices"][0]["delta"]["role"] == "assistant"
+
+
+def test_a_token_without_text_is_streamed_when_it_is_made(served, client):
+    """SmolLM2's first token for this raw prompt is <|im_end|>, which decodes to no text. It is
+    streamed at once as a chunk with empty text, as vLLM does (before, the first chunk waited for
+    the next round's text, and a client measured that round as its time to first token)."""
+    llm = served[0]
+    prompt = "Why is the sky blue during the day but red at sunset?"
+    first = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))[0].token_ids[0]
+    assert llm.tokenizer.decode([first], skip_special_tokens=True) == ""  # the premise
+    body = {"model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": 6, "ignore_eos": True}
+    for ids in (False, True):
+        streamed = _stream(served[1].url, "/v1/completions", {**body, "return_token_ids": ids})
+        tokens = [c["choices"][0] for c in streamed.chunks if c["choices"] and c["choices"][0]["finish_reason"] is None]
+        assert tokens[0]["text"] == "" and all(t["text"] for t in tokens[1:])
+        assert streamed.text == client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert tokens[0]["token_ids"] == [first] and sum(len(t["token_ids"]) for t in tokens) == 6
 
 
 def test_chat_applies_the_chat_template(served, client):

@@ -9,7 +9,10 @@
         --metrics-url http://127.0.0.1:8002/metrics --out serve-triton        # Triton's generate_stream
 
 Each request streams (``stream: true`` with ``stream_options.include_usage``) and is timed on the
-client: TTFT = send to the first chunk with content, ITL = the gaps between content chunks,
+client: TTFT = send to the first token chunk, ITL = the gaps between token chunks (a token chunk
+carries new tokens, whether or not their text is empty, as `vllm bench serve` counts them: a
+special token decodes to no text; a chat stream's role-only opening and a closing chunk with only
+the finish reason are not token chunks),
 E2E = send to ``data: [DONE]``, TPOT = (E2E - TTFT) / (output tokens - 1). Output tokens come from
 the final usage chunk, not from the number of chunks: a speculative server sends several tokens per
 chunk, so counting chunks would undercount its throughput by about the acceptance length.
@@ -211,7 +214,7 @@ class RequestResult:
 
     prompt_id: str
     sent_s: float = 0.0  # from the run's start
-    content_times_s: list[float] = field(default_factory=list)  # arrival of each chunk that carried text
+    content_times_s: list[float] = field(default_factory=list)  # arrival of each token chunk
     e2e_s: float | None = None
     prompt_tokens: int | None = None
     output_tokens: int | None = None
@@ -325,18 +328,20 @@ def _apply_event(event: dict, result: RequestResult, now: float, chat: bool) -> 
     if choices:
         choice = choices[0]
         delta = (choice.get("delta") or {}) if chat else choice
-        # A chat stream opens with a role-only delta and closes with finish_reason alone: neither is a token.
         text = (delta.get("content") or delta.get("reasoning_content")) if chat else delta.get("text")
-        if text:
+        opening = chat and "role" in delta
+        closing = choice.get("finish_reason") is not None
+        if text or not (opening or closing):
             result.content_times_s.append(now)
 
 
 def _apply_triton_event(event: dict, result: RequestResult, now: float) -> None:
-    if event.get("text_output"):
-        result.content_times_s.append(now)
+    before = result.output_tokens or 0
     if event.get("num_output_tokens") is not None:  # the running count of generated tokens
         result.output_tokens = int(_scalar(event["num_output_tokens"]))
         result.tokens_from_usage = True
+    if event.get("text_output") or (result.output_tokens or 0) > before:  # new tokens, text or not
+        result.content_times_s.append(now)
     if event.get("num_input_tokens") is not None:
         result.prompt_tokens = int(_scalar(event["num_input_tokens"]))
 

@@ -63,9 +63,10 @@ def full_response(header: ResponseHeader, req: GenerationRequest, final: Finishe
 
 def chunk(header: ResponseHeader, req: GenerationRequest, text: str, token_ids=None, finish_reason=None,
           role: bool = False) -> dict:
-    """One streamed choice: new text (and token ids when asked for), or the finish reason."""
+    """One streamed choice: new tokens' text (and ids when asked for), or the finish reason alone."""
     if header.kind is Kind.CHAT:
-        delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+        closing = finish_reason is not None and not text
+        delta = {"role": "assistant", "content": text} if role else ({} if closing else {"content": text})
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}

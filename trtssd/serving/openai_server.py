@@ -120,7 +120,9 @@ class OpenAIServer:
             if req.kind is Kind.CHAT:
                 yield sse(chunk(header, req, "", role=True))
             async for delta in stream:
-                if delta.text or (req.return_token_ids and delta.token_ids):
+                # Every step's new tokens go out at once, as vLLM streams them, even when their text
+                # is empty (a special token, or text held back): a client sees each token's time.
+                if delta.text or delta.token_ids:
                     yield sse(chunk(header, req, delta.text, delta.token_ids))
             yield sse(chunk(header, req, "", finish_reason=stream.final.finish_reason))
             if req.include_usage:

@@ -1,6 +1,8 @@
 """Greedy sd and ssd equal ar token for token on the default engine (SmolLM2-135M target, int4
-self-draft): 8 prompts x 128 tokens at batch 4, the first 4 of them again at batch 1 (issue 5's
-end-to-end check; 20 prompts at both batch sizes cost CI 8 minutes for no path the 8 miss)."""
+self-draft): 8 prompts x 128 tokens at batch 4, in ssd the first 4 of them again at batch 1
+(issue 5's end-to-end check; 20 prompts at both batch sizes cost CI 8 minutes for no path the 8
+miss). sd at batch 1 is the same verification as at batch 4 with fewer rows, and the tiny-model
+runs check it (tests/test_runtime.py); here it would cost CI another 25 s."""
 
 from __future__ import annotations
 
@@ -51,11 +53,11 @@ def _mismatches(reference: list[list[int]], got: list[list[int]]) -> list[int]:
 def test_greedy_speculative_equals_ar_at_batch_4_and_1(mode, prompts, ar_tokens):
     with LLM(mode=mode, max_batch=4, max_seq_len=512, plain_under_load=False) as llm:
         batched = [o.token_ids for o in llm.generate(prompts, PARAMS)]
-        single = [llm.generate([p], PARAMS)[0].token_ids for p in prompts[:N_SINGLE]]
+        single = [llm.generate([p], PARAMS)[0].token_ids for p in prompts[:N_SINGLE if mode == "ssd" else 0]]
         summary = llm.metrics.summary()
     assert summary["degraded_rounds"] == 0 and summary["num_drafts"] > 0
     assert not _mismatches(ar_tokens, batched), f"{mode} batch 4 differs from ar on prompts {_mismatches(ar_tokens, batched)}"
-    assert not _mismatches(ar_tokens[:N_SINGLE], single), \
+    assert not _mismatches(ar_tokens[:len(single)], single), \
         f"{mode} batch 1 differs from ar on prompts {_mismatches(ar_tokens[:N_SINGLE], single)}"
     if mode == "ssd":
         assert summary["cache_hits"] > 0  # the pre-speculation path, not only backups, was verified

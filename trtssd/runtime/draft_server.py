@@ -17,6 +17,8 @@ from trtssd.runtime.transport import RoundBuffers
 
 log = logging.getLogger(__name__)
 
+CALIBRATION_MAX_ROWS = 64  # the widest draft forward timed at start-up (costs beyond it are extrapolated)
+
 
 def load_worker(draft_model: ModelRef, spec: SpeculativeConfig, runtime: RuntimeConfig, max_seq_len: int) -> DraftWorker:
     """The draft model and its worker, calibrated for the auto fan-out."""
@@ -25,8 +27,11 @@ def load_worker(draft_model: ModelRef, spec: SpeculativeConfig, runtime: Runtime
                              device_field="draft_device")
     worker = DraftWorker(executor, spec)
     if spec.mode is Mode.SSD and spec.fixed_fanout is None:
+        # No wider than this configuration's widest tree or glue: the widest sizes cost the most
+        # (seconds of start-up), and measurements beyond them would never be used.
+        widest = runtime.max_batch * max(spec.budget, spec.k + 1)
         try:
-            worker.calibrate()  # the auto fan-out needs to know what wider trees cost here
+            worker.calibrate(max_rows=min(CALIBRATION_MAX_ROWS, widest))  # what wider trees cost here
         except Exception:  # noqa: BLE001 - an optimisation: serve with the uncalibrated prior
             log.exception("draft forward calibration failed; the auto fan-out starts from a linear prior")
     return worker

@@ -9,7 +9,8 @@ wheels by `trtssd build qwen2.5-coder-1.5b`.
 - Greedy sd and ssd equal greedy ar token for token (4 prompts x 32 tokens, batch 4).
 
 Bounded for CI: the ~1.6 GB download into ~/.cache/trtssd happens on the first run only (~1
-minute), and so does transformers' reading of the GGUFs (its logits are kept there too); our int8 target loads twice (the sd run's executor also gives the greedy ar reference
+minute), and so do the engine build and transformers' reading of the GGUFs (both are kept
+there too, keyed by what they were made from); our int8 target loads twice (the sd run's executor also gives the greedy ar reference
 and the int8 logits: the same target that verifies), the fp32 target once, transformers' copy
 once; peak memory ~8 GB (transformers' models are freed before ours load).
 """
@@ -64,9 +65,11 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    """Built afresh from the cached (or downloaded) GGUFs, into a temporary engines directory."""
-    return build_engine(ENGINE, tmp_path_factory.mktemp("engines"), progress=False)
+def engine():
+    """Built from the cached (or downloaded) GGUFs into an engines directory next to them, and
+    rebuilt whenever its fingerprint (inputs' SHA-256, the build code's hashes) no longer matches:
+    a build writes 2 GB of int8 weights, ~100 s of CI each run."""
+    return build_engine(ENGINE, default_cache_dir() / "test-engines", progress=False)
 
 
 def test_engine_layout(engine):

@@ -7,7 +7,7 @@ the families of trtssd/serving/metric_catalog.py, which `trtssd serve`'s ``/metr
 from __future__ import annotations
 
 from trtssd.serving.async_engine import FinishedRequest
-from trtssd.serving.metric_catalog import ENGINE_INDEX, LABELS, METRICS, Kind, request_additions, series_from_start
+from trtssd.serving.metric_catalog import ENGINE_INDEX, LABELS, METRICS, request_additions, series_from_start
 
 
 def exposed_names() -> set[str]:

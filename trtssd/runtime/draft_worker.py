@@ -181,11 +181,11 @@ class DraftWorker:
         each new sequence's first token (all at depth 0, nothing is glued) and draft K tokens
         after each, so the first round is a cache hit rather than a just-in-time draft. Returns
         the sequences it made trees for."""
-        seqs = [self.seqs[sid] for sid in self._first if sid in self.seqs]
-        logits = torch.stack([self._first[s.seq_id] for s in seqs]) if seqs else None
-        self._first = {}
+        first, self._first = self._first, {}
+        seqs = [self.seqs[sid] for sid in first if sid in self.seqs]
         if not seqs:
             return 0
+        logits = torch.stack([first[s.seq_id] for s in seqs])
         width = self._tree_width(len(seqs))
         fans = [self._fit(s, [width] + [0] * self.k) for s in seqs]
         order = top_tokens(self._fork_scores(logits[:, None, :], seqs)[:, 0], max(f[0] for f in fans))

@@ -6,6 +6,7 @@ dead engine (tiny models)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import threading
 import time
@@ -301,6 +302,22 @@ def tiny(tmp_path_factory) -> tuple[Path, Path]:
 def _tiny_llm(tiny, **kw) -> LLM:
     return LLM(target=ModelRef(str(tiny[0])), draft=ModelRef(str(tiny[1])), mode="ssd", launch="local",
                max_seq_len=256, **kw)
+
+
+def test_the_engine_thread_alone_runs_on_the_target_cores(tiny):
+    # Before: the whole server (its HTTP thread too) was pinned to the target's core, so ar mode
+    # served from one core while the other idled, and every SSE chunk took the target's time.
+    cores = os.sched_getaffinity(0)
+    if len(cores) < 2:
+        pytest.skip("one core: nothing to keep apart")
+    with _tiny_llm(tiny) as llm, BackgroundServer(OpenAIServer(llm, "tiny")) as bg:
+        target = set(llm.runtime.target_cores)
+        assert target and target < cores
+        assert os.sched_getaffinity(bg.server.engine._thread.native_id) == target
+        assert os.sched_getaffinity(bg._thread.native_id) == cores - target  # uvicorn's thread
+        assert os.sched_getaffinity(0) == cores - target  # the thread that started the server
+        assert httpx.post(bg.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 4}).status_code == 200
+    assert os.sched_getaffinity(0) == cores  # closing the LLM gave the caller its cores back
 
 
 def test_past_the_queue_limit_requests_get_503_overloaded(tiny):

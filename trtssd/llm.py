@@ -19,7 +19,7 @@ from trtssd.config import (Mode, ModelRef, RuntimeConfig, SpeculativeConfig, Tar
 from trtssd.devices import resolve_device
 from trtssd.models.engine_dir import MANIFEST, engine_speculation
 from trtssd.models.tokenizer import chat_prompt_ids, encode_text, load_tokenizer
-from trtssd.runtime.affinity import pin, restore, split_cores
+from trtssd.runtime.affinity import cores_besides, pin, pin_thread, restore, split_cores
 from trtssd.runtime.launch import LAUNCHES, start_draft, target_seq_len
 from trtssd.runtime.target_loop import TargetLoop, Verifier
 from trtssd.runtime.metrics import SpecMetrics
@@ -183,6 +183,13 @@ class LLM:
         return self.loop.speculating
 
     # --- lifecycle ---------------------------------------------------------------------------
+
+    def leave_target_cores(self) -> None:
+        """Move the calling thread off the target's cores, to the cores it had before this LLM
+        less the target's. For a caller whose target loop runs in a thread of its own that pins
+        itself to ``runtime.target_cores`` (a server's engine thread): the caller's own work
+        (HTTP, streaming) must not take turns with the target on its core."""
+        pin_thread("calling thread", cores_besides(self.runtime.target_cores, self._previous_affinity[0]))
 
     def close(self) -> None:
         """Stop the draft rank, free shared memory, give the process its CPU affinity back."""

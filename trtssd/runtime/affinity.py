@@ -1,4 +1,4 @@
-"""Pin a rank to its CPU cores and set its torch thread count (CPU machines)."""
+"""Pin a rank (or one thread of it) to its CPU cores and set its torch thread count (CPU machines)."""
 
 from __future__ import annotations
 
@@ -23,16 +23,30 @@ def split_cores(target_threads: int, draft_threads: int) -> tuple[tuple[int, ...
 
 
 def pin(role: str, cores: Sequence[int] | None, threads: int) -> tuple[set[int], int]:
-    """Pin this process; returns the previous (affinity, threads) so a caller can restore them."""
+    """Pin the calling thread (and the threads it starts from now on) and set torch's thread
+    count; returns the previous (affinity, threads) so a caller can restore them."""
     previous = (os.sched_getaffinity(0), torch.get_num_threads())
-    if cores:
-        try:
-            os.sched_setaffinity(0, cores)
-        except OSError as err:  # e.g. cores outside this container's cpuset
-            log.warning("could not pin the %s rank to cores %s: %s", role, cores, err)
+    pin_thread(f"{role} rank", cores)
     torch.set_num_threads(threads)
     log.info("%s rank: cores %s, %d torch thread(s)", role, cores or "unpinned", threads)
     return previous
+
+
+def pin_thread(role: str, cores: Sequence[int] | None) -> None:
+    """Pin the calling thread only: on Linux an affinity belongs to a thread, and the threads it
+    starts afterwards inherit it. None or empty: leave it as it is."""
+    if not cores:
+        return
+    try:
+        os.sched_setaffinity(0, cores)
+    except OSError as err:  # e.g. cores outside this container's cpuset
+        log.warning("could not pin the %s to cores %s: %s", role, cores, err)
+
+
+def cores_besides(busy: Sequence[int] | None, allowed: set[int]) -> tuple[int, ...]:
+    """``allowed`` without the ``busy`` cores, or all of ``allowed`` when that leaves none."""
+    rest = set(allowed) - set(busy or ())
+    return tuple(sorted(rest or allowed))
 
 
 def restore(previous: tuple[set[int], int]) -> None:

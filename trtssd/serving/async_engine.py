@@ -19,7 +19,9 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
+from trtssd.runtime.affinity import pin_thread
 from trtssd.runtime.metrics import SpecMetrics
 from trtssd.runtime.target_loop import StepOutput, TargetLoop
 from trtssd.sampling import SamplingParams
@@ -155,14 +157,18 @@ class AsyncEngine:
         raises `Overloaded`.
     on_finished: called in the loop thread with every `FinishedRequest` (metrics); it must be
         quick and must not raise.
+    cores: the CPU cores the loop thread pins itself to (the target's, ``RuntimeConfig.target_cores``);
+        None leaves it where it starts.
     """
 
-    def __init__(self, loop: TargetLoop, max_waiting: int = DEFAULT_MAX_WAITING, on_finished=None):
+    def __init__(self, loop: TargetLoop, max_waiting: int = DEFAULT_MAX_WAITING, on_finished=None,
+                 cores: Sequence[int] | None = None):
         if not isinstance(max_waiting, int) or max_waiting < 0:
             raise ValueError(f"max_waiting must be an int >= 0; got {max_waiting!r}")
         self.loop = loop
         self.max_waiting = max_waiting
         self.on_finished = on_finished
+        self.cores = tuple(cores) if cores else None
         self.failure: str | None = None  # why the engine died; None while it serves
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _in_flight and the dead/alive switch with submit
@@ -172,6 +178,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="trtssd-engine", daemon=True)
         self._started = False
+        self._pinned = threading.Event()  # set once the loop thread is on its cores
 
     # --- the asyncio side ----------------------------------------------------------------------
 
@@ -179,6 +186,7 @@ class AsyncEngine:
         if not self._started:
             self._started = True
             self._thread.start()
+            self._pinned.wait()
         return self
 
     @property
@@ -226,6 +234,8 @@ class AsyncEngine:
     # --- the loop thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
+        pin_thread("engine thread", self.cores)
+        self._pinned.set()
         try:
             while self._apply_commands(block=not self.loop.has_unfinished()):
                 if self.loop.has_unfinished():

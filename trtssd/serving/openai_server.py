@@ -45,13 +45,17 @@ class OpenAIServer:
         self.model = ModelInfo(model_name, llm.tokenizer, llm.runtime.max_seq_len)
         self.api_key = api_key
         self.metrics = ServerMetrics(model_name, llm.spec.k)
-        self.engine = AsyncEngine(llm.loop, max_waiting, on_finished=self.metrics.observe)
+        self.engine = AsyncEngine(llm.loop, max_waiting, on_finished=self.metrics.observe,
+                                  cores=llm.runtime.target_cores)
         self.metrics.track(self.engine)
         self.created = int(time.time())
         self.app = self._build_app()
 
     def start(self) -> "OpenAIServer":
+        """Start the engine thread, on the target's cores; the calling thread, which serves HTTP
+        (or starts the thread that does), leaves them."""
         self.engine.start()
+        self.llm.leave_target_cores()
         return self
 
     def close(self) -> None:

@@ -63,7 +63,9 @@ class TritonModel:
         try:
             self.metrics = TritonMetrics(pb_utils, self.name, self.llm.spec.k)
             self.events = asyncio.new_event_loop()
-            self.engine = AsyncEngine(self.llm.loop, options.max_waiting, on_finished=self._finished)
+            self.engine = AsyncEngine(self.llm.loop, options.max_waiting, on_finished=self._finished,
+                                      cores=self.llm.runtime.target_cores)
+            self.llm.leave_target_cores()  # the response thread below must not share the target's core
             self._open: dict[str, _Open] = {}
             self._tasks: set[concurrent.futures.Future] = set()
             self._thread = threading.Thread(target=self.events.run_forever, name="trtssd-triton", daemon=True)

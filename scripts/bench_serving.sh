@@ -60,7 +60,8 @@ for mode in ssd ar; do
   stop_server
 done
 
-dirs=("$OUT/serve-ssd" "$OUT/serve-ar")
+# ar first: the comparison divides every other column by the first one (ssd / ar).
+dirs=("$OUT/serve-ar" "$OUT/serve-ssd")
 if [[ "${SKIP_TRITON:-0}" != 1 ]]; then
   for mode in ssd ar; do
     repo=$(mktemp -d)

@@ -305,8 +305,8 @@ def _tiny_llm(tiny, **kw) -> LLM:
 
 
 def test_the_engine_thread_alone_runs_on_the_target_cores(tiny):
-    # Before: the whole server (its HTTP thread too) was pinned to the target's core, so ar mode
-    # served from one core while the other idled, and every SSE chunk took the target's time.
+    # Before: every thread of the server (uvicorn's too) inherited the target's core, so its HTTP
+    # work took turns with the target while other cores were free.
     cores = os.sched_getaffinity(0)
     if len(cores) < 2:
         pytest.skip("one core: nothing to keep apart")

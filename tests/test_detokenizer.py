@@ -75,6 +75,8 @@ def sentencepiece_like():
 
 
 TOKENIZERS = ["smollm2", "byte_level", "sentencepiece_like"]
+# Random id streams per tokenizer in the property tests (300 cost CI 36 s on the SmolLM2 tokenizer).
+RANDOM_STREAMS = 150
 
 
 @pytest.fixture(params=TOKENIZERS)
@@ -353,7 +355,7 @@ def _random_stops(rng: random.Random, text: str) -> tuple[str, ...]:
 def test_random_streams_join_to_the_full_decode(request, name):
     tok = request.getfixturevalue(name)
     rng = random.Random(12)
-    for _ in range(300):
+    for _ in range(RANDOM_STREAMS):
         ids = _random_ids(tok, rng, valid_bytes_only=name == "sentencepiece_like")
         deltas, detok, _ = _run(tok, ids)
         assert "".join(deltas) == detok.text == tok.decode(ids, skip_special_tokens=True), ids
@@ -364,13 +366,13 @@ def test_random_streams_with_stop_strings_match_the_full_decode(request, name):
     tok = request.getfixturevalue(name)
     rng = random.Random(4)
     stopped = 0
-    for _ in range(300):
+    for _ in range(RANDOM_STREAMS):
         ids = _random_ids(tok, rng, valid_bytes_only=name == "sentencepiece_like")
         stops = _random_stops(rng, tok.decode(ids, skip_special_tokens=True))
         deltas, detok, used = _run(tok, ids, stops)
         assert ("".join(deltas), used) == (detok.text, used) == _reference(tok, ids, stops), (ids, stops)
         stopped += detok.stop_string is not None
-    assert stopped > 100  # the stops were mostly hit, not just missed
+    assert stopped > RANDOM_STREAMS // 3  # the stops were often hit, not just missed
 
 
 @pytest.mark.parametrize("name", TOKENIZERS)

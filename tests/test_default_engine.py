@@ -51,13 +51,14 @@ def _mismatches(reference: list[list[int]], got: list[list[int]]) -> list[int]:
 
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
 def test_greedy_speculative_equals_ar_at_batch_4_and_1(mode, prompts, ar_tokens):
+    n_single = N_SINGLE if mode == "ssd" else 0
     with LLM(mode=mode, max_batch=4, max_seq_len=512, plain_under_load=False) as llm:
         batched = [o.token_ids for o in llm.generate(prompts, PARAMS)]
-        single = [llm.generate([p], PARAMS)[0].token_ids for p in prompts[:N_SINGLE if mode == "ssd" else 0]]
+        single = [llm.generate([p], PARAMS)[0].token_ids for p in prompts[:n_single]]
         summary = llm.metrics.summary()
     assert summary["degraded_rounds"] == 0 and summary["num_drafts"] > 0
     assert not _mismatches(ar_tokens, batched), f"{mode} batch 4 differs from ar on prompts {_mismatches(ar_tokens, batched)}"
-    assert not _mismatches(ar_tokens[:len(single)], single), \
-        f"{mode} batch 1 differs from ar on prompts {_mismatches(ar_tokens[:N_SINGLE], single)}"
+    assert not _mismatches(ar_tokens[:n_single], single), \
+        f"{mode} batch 1 differs from ar on prompts {_mismatches(ar_tokens[:n_single], single)}"
     if mode == "ssd":
         assert summary["cache_hits"] > 0  # the pre-speculation path, not only backups, was verified

@@ -12,6 +12,7 @@ from trtssd.backends.base import Chunk, chain_chunk
 from trtssd.kernels.draft_layers import FusedDraftLayers, ineligible_reason
 from trtssd.models.config import ModelConfig, RopeConfig
 from trtssd.models.llama import LlamaModel
+from trtssd.models.quant import use_int4_kernel
 
 # Eligible shapes (hidden a multiple of 32); GQA with 2 query heads per KV head.
 CFG = ModelConfig(
@@ -37,6 +38,8 @@ def _fused_pair(max_tokens: int = 8, cfg: ModelConfig = CFG, kind: str = "int4")
     plain, _ = PAIRS[kind](cfg, seed=1)
     fused.model.fused_layers = FusedDraftLayers.from_model(fused.model, max_tokens=max_tokens)
     assert fused.model.fused_layers.kind == kind.split("-")[0]
+    for model in (fused.model, plain.model):  # the same int4 matmul on both paths, as a loaded draft runs
+        use_int4_kernel(model)
     return fused, plain, ref
 
 
@@ -84,7 +87,7 @@ def test_fused_layers_match_torch_int4_layers(runs):
     for a, b in zip(fused, plain):
         scale = b.abs().max().item()
         # Same matmuls; only fp32 summation order differs (norms, attention), which can flip a
-        # bf16 rounding (int4) or an 8-bit rounding (int8) of a projection input now and then.
+        # 16-bit (int4) or an 8-bit (int8) activation code of a projection input now and then.
         assert (a - b).abs().max().item() < 2e-3 * scale
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
@@ -93,8 +96,8 @@ def test_fused_layers_match_dequantized_model(runs):
     fused, _, ref, _, kind = runs
     for a, b in zip(fused, ref):
         scale, err = b.abs().max().item(), (a - b).abs()
-        if kind == "int4":  # the int4 path's own bf16 error budget (same codes as the reference)
-            assert err.max().item() < 0.03 * scale
+        if kind == "int4":  # same codes as the reference, 16-bit activation codes (bf16 ones failed this)
+            assert err.max().item() < 2e-3 * scale
         elif kind == "int8":  # 8-bit weights per channel, 7-bit activations per row (random tiny weights amplify it)
             assert err.mean().item() < 0.05 * scale
         else:  # ~14-bit activations: what remains is mostly the 8-bit weights

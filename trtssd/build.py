@@ -52,7 +52,7 @@ from tqdm import tqdm
 from trtssd.config import ModelRef, speculative_config
 from trtssd.hashing import file_sha256
 from trtssd.kernels.draft_layers import DEFAULT_MAX_TOKENS as FUSED_MAX_TOKENS
-from trtssd.kernels.draft_layers import load_extension
+from trtssd.kernels.cpu_extension import load_extension
 from trtssd.models.config import ModelConfig
 from trtssd.models.catalog import DEFAULT_ENGINE, NAMED_ENGINES
 from trtssd.models.engine_dir import (

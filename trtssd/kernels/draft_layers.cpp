@@ -2,8 +2,8 @@
 //
 // Same arithmetic as LlamaModel with Int4Linear or Int8DynamicLinear projections
 // (trtssd/models/llama.py, quant.py, int8_dynamic.py): fp32 residual stream, RMSNorm, RoPE, KV
-// cache and attention. int4: aten's int4 kernel with bf16 inputs and outputs; int8: fbgemm's
-// dynamic linear, one activation scale per row (fp32 in and out). What it removes is the ~30 small aten calls
+// cache and attention. int4: our few-row int4 matmul (int4_matmul.h); int8: fbgemm's dynamic
+// linear, one activation scale per row. Both fp32 in and out. What it removes is the ~30 small aten calls
 // per layer (and the Python around them) that cost the draft as much as its weight reads; the
 // matmuls are the same calls the torch layers make.
 //
@@ -14,59 +14,41 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <ATen/native/quantized/PackedParams.h>
 
+#include "int4_matmul.h"
+
 #include <cmath>
 #include <limits>
 #include <vector>
 
 namespace {
 
-using at::BFloat16;
-
-constexpr int64_t kGroupSize = 32;
-
-// out[t] = A(x[t] * rsqrt(mean(x[t]^2) + eps) * w), A the projections' input type
-template <typename A>
-void rms_norm(const float* x, const float* w, A* out, int64_t rows, int64_t dim, float eps) {
+// out[t] = x[t] * rsqrt(mean(x[t]^2) + eps) * w
+void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t dim, float eps) {
   for (int64_t t = 0; t < rows; ++t) {
     const float* xr = x + t * dim;
     float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < dim; ++i) ss += xr[i] * xr[i];
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
-    A* o = out + t * dim;
-    for (int64_t i = 0; i < dim; ++i) o[i] = A(xr[i] * inv * w[i]);
+    float* o = out + t * dim;
+    for (int64_t i = 0; i < dim; ++i) o[i] = xr[i] * inv * w[i];
   }
 }
 
-// x[t, 0:n] += float(y[t, 0:n]) (+ bias[0:n], fp32, when given) with y's row stride `stride`
-template <typename T>
-void add_residual(float* x, const T* y, int64_t rows, int64_t n, int64_t stride, const at::Tensor& bias) {
+// x[t, 0:n] += y[t, 0:n] (+ bias[0:n], fp32, when given) with y's row stride `stride`
+void add_residual(float* x, const float* y, int64_t rows, int64_t n, int64_t stride, const at::Tensor& bias) {
   const float* b = bias.numel() > 0 ? bias.data_ptr<float>() : nullptr;
   for (int64_t t = 0; t < rows; ++t)
-    for (int64_t i = 0; i < n; ++i) x[t * n + i] += static_cast<float>(y[t * stride + i]) + (b ? b[i] : 0.f);
+    for (int64_t i = 0; i < n; ++i) x[t * n + i] += y[t * stride + i] + (b ? b[i] : 0.f);
 }
 
 // Half-split rotation of one head: out = v * cos + rotate_half(v) * sin (sin table signed).
-template <typename T>
-void rope(const T* v, const float* cos, const float* sin, float* out, int64_t d) {
+void rope(const float* v, const float* cos, const float* sin, float* out, int64_t d) {
   const int64_t half = d / 2;
   for (int64_t i = 0; i < d; ++i) {
-    const float partner = static_cast<float>(v[i < half ? i + half : i - half]);
-    out[i] = static_cast<float>(v[i]) * cos[i] + partner * sin[i];
+    const float partner = v[i < half ? i + half : i - half];
+    out[i] = v[i] * cos[i] + partner * sin[i];
   }
-}
-
-at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_zeros) {
-  return at::_weight_int4pack_mm_for_cpu(x, packed, kGroupSize, scale_zeros);
-}
-
-// float(y) + bias in fp32, as the torch layers compute a biased projection (Qwen2's q/k/v, or
-// gate|up); the bias is fp32 [n], n up to the kernel's padded width. (Projections added to the
-// residual stream take their bias there, in add_residual.)
-at::Tensor add_bias(const at::Tensor& y, const at::Tensor& bias) {
-  at::Tensor out = y.to(at::kFloat);
-  out.narrow(1, 0, bias.size(0)).add_(bias);
-  return out;
 }
 
 struct Shape {
@@ -76,26 +58,24 @@ struct Shape {
 
 // Write every token's rotated K and its V into the pools (before any token attends: tokens of
 // one forward see each other's slots as their masks allow).
-template <typename T>
-void write_kv(const Shape& s, const T* qkv, int64_t qkv_stride, const float* cos, const float* sin,
+void write_kv(const Shape& s, const float* qkv, int64_t qkv_stride, const float* cos, const float* sin,
               const int64_t* rows, const int64_t* slots, float* kc, float* vc) {
   const int64_t D = s.head_dim, q_width = s.heads * D;
   for (int64_t t = 0; t < s.tokens; ++t) {
-    const T* k = qkv + t * qkv_stride + q_width;
-    const T* v = k + s.kv_heads * D;
+    const float* k = qkv + t * qkv_stride + q_width;
+    const float* v = k + s.kv_heads * D;
     for (int64_t g = 0; g < s.kv_heads; ++g) {
       const int64_t at = rows[t] * s.pool_row_stride + g * s.pool_heads_stride + slots[t] * s.pool_slot_stride;
       rope(k + g * D, cos + t * D, sin + t * D, kc + at, D);
-      for (int64_t i = 0; i < D; ++i) vc[at + i] = static_cast<float>(v[g * D + i]);
+      for (int64_t i = 0; i < D; ++i) vc[at + i] = v[g * D + i];
     }
   }
 }
 
 // out[t, h*D:(h+1)*D] = softmax(q_h . K^T * scale over visible keys) V, written as A.
-template <typename T, typename A>
-void attend(const Shape& s, const T* qkv, int64_t qkv_stride, const float* cos, const float* sin,
+void attend(const Shape& s, const float* qkv, int64_t qkv_stride, const float* cos, const float* sin,
             const int64_t* rows, const bool* visible, const float* kc, const float* vc, float scale,
-            A* out) {
+            float* out) {
   const int64_t D = s.head_dim, G = s.heads / s.kv_heads, L = s.key_len;
   std::vector<float> q(G * D), scores(G * L), acc(G * D), best(G), total(G);
   for (int64_t t = 0; t < s.tokens; ++t) {
@@ -131,52 +111,51 @@ void attend(const Shape& s, const T* qkv, int64_t qkv_stride, const float* cos, 
         }
       }
       for (int64_t j = 0; j < G; ++j) {
-        A* o = out + t * s.heads * D + (g * G + j) * D;
+        float* o = out + t * s.heads * D + (g * G + j) * D;
         const float inv = 1.f / total[j];
-        for (int64_t i = 0; i < D; ++i) o[i] = A(acc[j * D + i] * inv);
+        for (int64_t i = 0; i < D; ++i) o[i] = acc[j * D + i] * inv;
       }
     }
   }
 }
 
-// A(silu(gate) * up) from the fused gate|up projection output.
-template <typename T, typename A>
-void silu_mul(const T* gu, int64_t stride, int64_t rows, int64_t n, A* out) {
+// silu(gate) * up from the fused gate|up projection output.
+void silu_mul(const float* gu, int64_t stride, int64_t rows, int64_t n, float* out) {
   for (int64_t t = 0; t < rows; ++t) {
-    const T* g = gu + t * stride;
-    const T* u = g + n;
+    const float* g = gu + t * stride;
+    const float* u = g + n;
     for (int64_t i = 0; i < n; ++i) {
-      const float gf = static_cast<float>(g[i]);
-      out[t * n + i] = A(gf / (1.f + std::exp(-gf)) * static_cast<float>(u[i]));
+      const float gf = g[i];
+      out[t * n + i] = gf / (1.f + std::exp(-gf)) * u[i];
     }
   }
 }
 
-// Write the forward's K/V into the pools, then attend: qkv as the projection left it (bf16, or
-// fp32 once a bias was added or from int8).
-template <typename T, typename A>
-void attention(const Shape& s, const T* qkv, int64_t qkv_stride, const float* cos, const float* sin,
+// Write the forward's K/V into the pools, then attend (qkv: the projection's fp32 output).
+void attention(const Shape& s, const float* qkv, int64_t qkv_stride, const float* cos, const float* sin,
                const int64_t* rows, const int64_t* slots, const bool* visible, const at::Tensor& kc,
-               const at::Tensor& vc, float scale, A* out) {
+               const at::Tensor& vc, float scale, float* out) {
   write_kv(s, qkv, qkv_stride, cos, sin, rows, slots, kc.data_ptr<float>(), vc.data_ptr<float>());
   attend(s, qkv, qkv_stride, cos, sin, rows, visible, kc.data_ptr<float>(), vc.data_ptr<float>(), scale, out);
 }
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "draft layers: ", what); }
 
-// int4 projections: aten's kernel on bf16 inputs; a biased projection's output in fp32.
+// int4 projections: our int4 matmul, fp32 in and out, as Int4Linear runs it.
 struct Int4Projections {
-  const std::vector<at::Tensor>& packed;
-  const std::vector<at::Tensor>& scale_zeros;
+  const std::vector<at::Tensor>& nibbles;
+  const std::vector<at::Tensor>& scales;
+  const std::vector<at::Tensor>& mins;
   const std::vector<at::Tensor>& biases;
-  using Input = BFloat16;
 
   at::Tensor operator()(int64_t i, const at::Tensor& x) const {
-    at::Tensor y = int4_mm(x, packed[i], scale_zeros[i]);
-    return biases[i].numel() > 0 ? add_bias(y, biases[i]) : y;
+    at::Tensor y = residual_input(i, x);
+    return biases[i].numel() > 0 ? y.add_(biases[i]) : y;
   }
   // The o and down projections add their bias to the residual stream instead (in fp32).
-  at::Tensor residual_input(int64_t i, const at::Tensor& x) const { return int4_mm(x, packed[i], scale_zeros[i]); }
+  at::Tensor residual_input(int64_t i, const at::Tensor& x) const {
+    return trtssd::int4_linear(x, nibbles[i], scales[i], mins[i]);
+  }
   const at::Tensor& residual_bias(int64_t i) const { return biases[i]; }
 };
 
@@ -185,7 +164,6 @@ struct Int4Projections {
 // the torch layers and these agree bit for bit. The o and down biases go to the residual stream.
 class Int8Projections {
  public:
-  using Input = float;
 
   Int8Projections(const std::vector<py::handle>& packed, std::vector<at::Tensor> biases, int64_t levels)
       : biases_(std::move(biases)), levels_(levels) {
@@ -227,13 +205,6 @@ class Int8Projections {
   int64_t levels_;
 };
 
-// qkv / gate|up outputs come as bf16 (int4, no bias) or fp32 (int4 with bias, int8).
-template <typename F>
-void with_data(const at::Tensor& y, F&& f) {
-  if (y.scalar_type() == at::kFloat) f(y.data_ptr<float>());
-  else f(y.data_ptr<BFloat16>());
-}
-
 struct Inputs {
   const std::vector<at::Tensor>& norms;
   const std::vector<at::Tensor>& k_pools;
@@ -269,12 +240,11 @@ void check_inputs(const at::Tensor& x, const Inputs& in, int64_t projections) {
 
 template <typename P>
 at::Tensor run_layers(at::Tensor x, const P& proj, const Inputs& in) {
-  using A = typename P::Input;
   const at::Tensor& pool0 = in.k_pools[0];
   Shape s{x.size(0), x.size(1), in.heads, in.kv_heads, in.head_dim, in.visible.size(1),
           pool0.stride(1), pool0.stride(2), pool0.stride(0)};
   const int64_t T = s.tokens, H = s.hidden, layers = static_cast<int64_t>(in.k_pools.size());
-  auto opts = x.options().dtype(c10::CppTypeToScalarType<A>::value);
+  auto opts = x.options();
   at::Tensor normed = at::empty({T, H}, opts);
   at::Tensor attn = at::empty({T, in.heads * in.head_dim}, opts);
   at::Tensor act = at::empty({T, in.intermediate}, opts);
@@ -292,17 +262,17 @@ at::Tensor run_layers(at::Tensor x, const P& proj, const Inputs& in) {
     check(kc.dtype() == at::kFloat && vc.dtype() == at::kFloat && kc.strides() == pool0.strides() &&
               vc.strides() == pool0.strides(),
           "KV pools must be fp32 with one layout");
-    rms_norm(xp, in.norms[2 * l].data_ptr<float>(), normed.data_ptr<A>(), T, H, eps);
+    rms_norm(xp, in.norms[2 * l].data_ptr<float>(), normed.data_ptr<float>(), T, H, eps);
     at::Tensor qkv = proj(4 * l, normed);
-    with_data(qkv, [&](auto* q) { attention(s, q, qkv.size(1), cp, sp, rp, slp, vp, kc, vc, scale, attn.data_ptr<A>()); });
+    attention(s, qkv.data_ptr<float>(), qkv.size(1), cp, sp, rp, slp, vp, kc, vc, scale, attn.data_ptr<float>());
     at::Tensor o = proj.residual_input(4 * l + 1, attn);
-    with_data(o, [&](auto* y) { add_residual(xp, y, T, H, o.size(1), proj.residual_bias(4 * l + 1)); });
+    add_residual(xp, o.data_ptr<float>(), T, H, o.size(1), proj.residual_bias(4 * l + 1));
 
-    rms_norm(xp, in.norms[2 * l + 1].data_ptr<float>(), normed.data_ptr<A>(), T, H, eps);
+    rms_norm(xp, in.norms[2 * l + 1].data_ptr<float>(), normed.data_ptr<float>(), T, H, eps);
     at::Tensor gu = proj(4 * l + 2, normed);
-    with_data(gu, [&](auto* g) { silu_mul(g, gu.size(1), T, in.intermediate, act.data_ptr<A>()); });
+    silu_mul(gu.data_ptr<float>(), gu.size(1), T, in.intermediate, act.data_ptr<float>());
     at::Tensor down = proj.residual_input(4 * l + 3, act);
-    with_data(down, [&](auto* y) { add_residual(xp, y, T, H, down.size(1), proj.residual_bias(4 * l + 3)); });
+    add_residual(xp, down.data_ptr<float>(), T, H, down.size(1), proj.residual_bias(4 * l + 3));
   }
   return x;
 }
@@ -314,17 +284,19 @@ at::Tensor run_layers(at::Tensor x, const P& proj, const Inputs& in) {
 // 4l..4l+3 of the projection lists; k_pools[l] / v_pools[l] [rows, Hkv, max_len, D] fp32.
 // cos/sin [T, D] fp32 (sin signed as in apply_rope), rows/slots [T] int64, visible [T, key_len] bool.
 //
-// int4: packed / scale_zeros (aten int4 pack, bf16 scale/zero) and biases (fp32, empty for none).
-at::Tensor decoder_layers_int4(at::Tensor x, const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& packed,
-                               const std::vector<at::Tensor>& scale_zeros, const std::vector<at::Tensor>& biases,
+// int4: nibbles / scales / mins (int4_matmul.h's layout) and biases (fp32, empty for none).
+at::Tensor decoder_layers_int4(at::Tensor x, const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& nibbles,
+                               const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& mins,
+                               const std::vector<at::Tensor>& biases,
                                const std::vector<at::Tensor>& k_pools, const std::vector<at::Tensor>& v_pools,
                                const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& rows,
                                const at::Tensor& slots, const at::Tensor& visible, int64_t heads, int64_t kv_heads,
                                int64_t head_dim, int64_t intermediate, double eps, double scale) {
   Inputs in{norms, k_pools, v_pools, cos, sin, rows, slots, visible, heads, kv_heads, head_dim, intermediate, eps, scale};
-  check(scale_zeros.size() == packed.size() && biases.size() == packed.size(), "one scale_zeros and bias per projection");
-  check_inputs(x, in, static_cast<int64_t>(packed.size()));
-  return run_layers(x, Int4Projections{packed, scale_zeros, biases}, in);
+  check(scales.size() == nibbles.size() && mins.size() == nibbles.size() && biases.size() == nibbles.size(),
+        "one scales, mins and bias per projection");
+  check_inputs(x, in, static_cast<int64_t>(nibbles.size()));
+  return run_layers(x, Int4Projections{nibbles, scales, mins, biases}, in);
 }
 
 // int8: the projections' fbgemm packed parameters, converted once (Int8Projections).
@@ -343,4 +315,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<const std::vector<py::handle>&, std::vector<at::Tensor>, int64_t>());
   m.def("decoder_layers_int4", &decoder_layers_int4, "int4 draft decoder layers (CPU)");
   m.def("decoder_layers_int8", &decoder_layers_int8, "int8 draft decoder layers (CPU)");
+  m.def("int4_linear", &trtssd::int4_linear, "few-row int4 matmul (CPU): x [T, K] fp32 -> [T, N] fp32");
 }

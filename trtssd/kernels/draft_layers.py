@@ -3,70 +3,39 @@
 Why: at one row the draft reads its weights (~80 MB of 4-bit SmolLM2 weights, ~11 ms on one core)
 but spent about as long again on ~900 small aten calls per step (norms, RoPE, KV writes, masked
 SDPA, dtype casts, each with dispatch and Python overhead). ``draft_layers.cpp`` runs a whole
-step's layers in one C++ call: the same projection calls as the torch layers (aten's int4 kernel
-with bf16 in and out, or fbgemm's int8 dynamic linear in fp32), with the norms, RoPE, KV writes,
-attention and SiLU as plain loops in fp32. The result matches the torch path up to float
+step's layers in one C++ call: the same projections as the torch layers (our int4 matmul,
+``int4_matmul.cpp``, or fbgemm's int8 dynamic linear, fp32 in and out), with the norms, RoPE, KV
+writes, attention and SiLU as plain loops in fp32. The result matches the torch path up to float
 summation order (tests/test_draft_layers.py).
 
-The extension is compiled on first use with torch's C++ extension builder (ninja + the system
-C++ compiler, ~1 minute) and cached under ``TORCH_EXTENSIONS_DIR`` (default
-``~/.cache/torch_extensions``). Prefill and wide tree steps stay on the torch path: the direct
-attention loop is not a GEMM, so it loses to SDPA once many queries share the keys.
+The extension is compiled on first use (``cpu_extension``). Prefill and wide tree steps stay on
+the torch path: the direct attention loop is not a GEMM, so it loses to SDPA once many queries
+share the keys.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
-import os
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from trtssd.kernels.cpu_extension import load_extension
+from trtssd.kernels.int4_matmul import Int4KernelWeight
+
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("draft_layers.cpp")
 # Forwards up to this many tokens take the fused path; wider ones the torch layers, whose
 # projections switch to fp32 GEMMs above the same row count (models.quant.DENSE_ABOVE_ROWS; docs/draft.md).
 DEFAULT_MAX_TOKENS = 16
 
 
-@functools.lru_cache(maxsize=1)
-def load_extension():
-    """Compile (once per machine, cached by torch) and import the C++ extension."""
-    from torch.utils.cpp_extension import load
-
-    with _interpreter_bin_first_on_path():
-        return load(
-            name="trtssd_draft_layers",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
-            verbose=False,
-        )
-
-
-@contextlib.contextmanager
-def _interpreter_bin_first_on_path():
-    """Always build with the ninja installed next to this interpreter (our dependency): two
-    ninja versions read each other's build log as stale, so a system ninja on PATH in some
-    processes and ours in others made every load recompile (35-150 s)."""
-    old = os.environ.get("PATH", "")
-    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{old}"
-    try:
-        yield
-    finally:
-        os.environ["PATH"] = old
-
-
 def projection_kind(module) -> str | None:
     """"int4", "int8" or None: which compiled projection ``module`` can run as. Checked by the
     weights it holds, not by class, so that kernels stay below the model code that uses them
-    (models.quant.Int4Linear: packed + scale_zeros; models.int8_dynamic.Int8DynamicLinear:
+    (models.quant.Int4Linear: an Int4KernelWeight; models.int8_dynamic.Int8DynamicLinear:
     int8_params)."""
-    if hasattr(module, "packed") and hasattr(module, "scale_zeros"):
+    if isinstance(getattr(module, "kernel_weight", None), Int4KernelWeight):
         return "int4"
     if isinstance(getattr(module, "int8_params", None), torch.ScriptObject):
         return "int8"
@@ -109,7 +78,7 @@ class FusedDraftLayers:
 
     kind: str  # "int4" or "int8"
     norms: list[torch.Tensor]
-    projections: list  # int4: (packed, scale_zeros, bias) per projection; int8: ext.Int8Projections
+    projections: list  # int4: (nibbles, scales, mins, bias) lists; int8: ext.Int8Projections
     heads: int
     kv_heads: int
     head_dim: int
@@ -141,7 +110,8 @@ class FusedDraftLayers:
             )
         else:
             weights = (
-                [p.packed for p in projections], [p.scale_zeros for p in projections],
+                [p.kernel_weight.nibbles for p in projections], [p.kernel_weight.scales for p in projections],
+                [p.kernel_weight.mins for p in projections],
                 [torch.empty(0) if p.bias is None else p.bias.data.float().contiguous() for p in projections],
             )
         return cls(kind, norms, weights, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from trtssd.kernels.draft_layers import FusedDraftLayers
 from trtssd.models.config import ModelConfig
 from trtssd.models.llama import LlamaModel
-from trtssd.models.quant import DENSE_ABOVE_ROWS, Int4Groups, quantize_linears, unpack_nibbles
+from trtssd.models.quant import DENSE_ABOVE_ROWS, Int4Groups, quantize_linears, unpack_nibbles, use_int4_kernel
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +117,11 @@ def _dequantized_draft(cfg: ModelConfig, groups: Mapping[str, Int4Groups], param
 
 
 def attach_fused_layers(model: LlamaModel) -> None:
-    """Give an int4 or int8 draft its compiled few-row layers, or say why it runs without them."""
+    """Give an int4 or int8 draft its compiled few-row layers, and every int4 projection (the
+    head's too) the compiled int4 matmul they use; or say why it runs without them."""
     try:
         model.fused_layers = FusedDraftLayers.from_model(model)
     except Exception as err:  # noqa: BLE001 - a speed-up only: the torch layers compute the same
         log.warning("draft runs on the torch layers only; fused draft layers unavailable: %s", err)
+        return
+    use_int4_kernel(model)

@@ -1,25 +1,23 @@
 """4-bit weight-only linear layers for the quantized self-draft.
 
-The draft runs the target's own GGUF weights through torch's CPU int4 kernel
-(``aten._weight_int4pack_mm_for_cpu``) instead of fp32 matmuls. The kernel's weight format is
-4-bit codes in groups of 32 along the input dimension, one (scale, zero) pair per group, with
+The draft runs the target's own GGUF weights as 4-bit codes in groups of 32 along the input
+dimension, with GGUF Q4_1's rule ``w = d * q + m`` (q in 0..15, d and m fp16 per group), through
+one of two CPU kernels. Nothing is re-quantized for Q4_1 tensors; weights that are not Q4_1
+(SmolLM2's tied Q8_0 embedding, fp32 test models) are quantized here with the same asymmetric
+min/max rule that produces Q4_1.
 
-    w = (code - 8) * scale + zero.
+- Ours (``trtssd.kernels.int4_matmul``, once the compiled extension is loaded): fp32 in and
+  out, activations on a 16-bit grid per group, integer dot products; the dequantized weight's
+  matmul up to ~1e-4 relative, and about twice as fast as aten's at one row.
+- aten's (``aten._weight_int4pack_mm_for_cpu``), the fallback where the extension cannot be
+  built: its format is ``w = (code - 8) * scale + zero``, so the same codes with scale = d and
+  zero = m + 8 d. It is fast only with bf16 activations and takes scales/zeros in the activation
+  dtype, so it computes bf16(x) @ W'.T with bf16-rounded scales and zeros and a bf16 output:
+  the same class of error as running the layer in bf16.
 
-GGUF's Q4_1 uses the same 32-wide groups with ``w = d * q + m``, q in 0..15, so a Q4_1 tensor
-maps onto the kernel with the *same codes*: scale = d, zero = m + 8 d. Nothing is re-quantized.
-Weights that are not Q4_1 (SmolLM2's tied Q8_0 embedding, fp32 test models) are quantized here
-with the same asymmetric min/max rule that produces Q4_1.
-
-Precision: the kernel is fast only with bf16 activations (fp32 and fp16 inputs take a slow path,
-30-60x slower on the 49152x576 output layer), and it takes scales/zeros in the activation dtype.
-So an ``Int4Linear`` computes bf16(x) @ W'.T with W' built from bf16-rounded scales and zeros,
-accumulating in fp32 and rounding the output to bf16. The codes are exact; the rest is bf16
-rounding, the same class of error as running the layer in bf16.
-
-Many rows (a prefill, a wide tree step): the int4 kernel is a matrix-vector kernel at heart, and
+Many rows (a prefill, a wide tree step): an int4 kernel is a matrix-vector kernel at heart, and
 on a CPU without fast bf16 it loses to an fp32 GEMM beyond a handful of rows (on the 2-core AMD
-EPYC here, one 576x1536 projection of 150 rows: 8.4 ms int4, 3.9 ms fp32; equal at 6 rows). So
+EPYC here, one 576x1536 projection of 150 rows: 8.4 ms aten int4, 3.9 ms fp32; equal at 6 rows). So
 layers built with ``dense_above`` also keep the dequantized fp32 weight and use it for forwards
 of more rows than that. The draft's distribution then depends slightly on how many rows share a
 forward, which exactness does not mind: every proposal is verified against the q it was drawn from.
@@ -36,6 +34,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from trtssd.kernels.int4_matmul import Int4KernelWeight, int4_linear
 from trtssd.models.config import ModelConfig
 from trtssd.models.llama import Linear, LlamaModel
 from trtssd.models.loader import GGUFFile, GGUFTensor, gguf_sources, unpermute_rows
@@ -161,12 +160,14 @@ def _pad_rows(groups: Int4Groups, multiple: int) -> Int4Groups:
 
 
 class Int4Linear(nn.Module):
-    """y = x @ W.T (+ bias) with W held as 4-bit groups and run by the CPU int4 kernel.
+    """y = x @ W.T (+ bias) with W held as 4-bit groups and run by a CPU int4 kernel.
 
-    Accepts any float input dtype [..., K]; computes in bf16 (see module docstring) and returns
-    the input dtype. in_features must be a multiple of 32; out_features is padded internally to
-    the kernel's multiple of 16 (the padding rows are zero and sliced off). ``dense_above``:
-    forwards of more rows than this use the dequantized fp32 weight (module docstring).
+    Accepts any float input dtype [..., K] and returns it. ``use_kernel`` (set once the compiled
+    extension is loaded, ``engine_dir.attach_fused_layers``): our int4 matmul, fp32 throughout
+    (trtssd.kernels.int4_matmul); otherwise aten's, in bf16 (see module docstring), with
+    out_features padded internally to its multiple of 16 (zero rows, sliced off).
+    in_features must be a multiple of 32. ``dense_above``: forwards of more rows than this use
+    the dequantized fp32 weight (module docstring).
     """
 
     def __init__(self, groups: Int4Groups, bias: torch.Tensor | None = None, dense_above: int | None = None) -> None:
@@ -174,6 +175,8 @@ class Int4Linear(nn.Module):
         self.dense_above = dense_above
         self.dense = None if dense_above is None else _dense_linear(groups)
         self.out_features, self.in_features = groups.shape
+        self.kernel_weight = Int4KernelWeight.from_codes(groups.codes, groups.scales, groups.mins)
+        self.use_kernel = False
         padded = _pad_rows(groups, _N_MULTIPLE)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(padded.codes.to(torch.int32), _INNER_K_TILES)
         zeros = padded.mins + CODE_OFFSET * padded.scales
@@ -197,6 +200,8 @@ class Int4Linear(nn.Module):
         flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if self.dense is not None and flat.shape[0] > self.dense_above:
             y = self.dense(flat.float())
+        elif self.use_kernel:
+            y = int4_linear(flat, self.kernel_weight)
         else:
             # One call per projection per token: the fast path is kept to three aten calls.
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -211,6 +216,14 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={GROUP_SIZE}"
+
+
+def use_int4_kernel(model: nn.Module) -> None:
+    """Run every Int4Linear of ``model`` (a RescoredInt4Head's too) on our compiled int4 matmul;
+    call once the extension is loaded (trtssd.kernels.cpu_extension)."""
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            module.use_kernel = True
 
 
 def _dense_linear(groups: Int4Groups) -> Linear:

@@ -19,6 +19,7 @@ from trtssd.backends.base import chain_chunk
 from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.cli import main
 from trtssd.config import ModelRef, RuntimeConfig, Source
+from trtssd.models.catalog import NAMED_ENGINES
 from trtssd.runtime import protocol as P
 from trtssd.runtime.launch import start_draft
 from trtssd.sampling import SamplingParams
@@ -206,6 +207,7 @@ def test_commands_from_a_built_engines_manifest(tmp_path, name, family, converte
     (tmp_path / name).mkdir()
     (tmp_path / name / "manifest.json").write_text(json.dumps(manifest))
     plan = plan_for(name, tmp_path)
+    assert plan.k == NAMED_ENGINES[name].speculation["k"]  # the pair's tuned lookahead
     assert plan.target.family == family
     assert f"models/core/{converter}/convert_checkpoint.py" in render_script(plan)
     assert plan.draft.int4_weight_only == (name == "smollm2-135m")
@@ -247,7 +249,7 @@ def test_missing_tensorrt_llm_is_reported_clearly(tmp_path):
         make_drafter(object(), 4)
     result = build_trtllm("smollm2-135m", tmp_path)
     assert not result.ran and result.script.is_file()
-    assert "--max_draft_len 5" in result.script.read_text()  # trtssd's lookahead by default
+    assert "--max_draft_len 7" in result.script.read_text()  # the default engine's tuned lookahead
     assert "tensorrt_llm" in result.message and str(result.script) in result.message
     assert not (tmp_path / "smollm2-135m").exists()  # nothing fetched or built
 

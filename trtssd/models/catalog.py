@@ -96,10 +96,15 @@ DEFAULT_ENGINE = "smollm2-135m"
 NAMED_ENGINES = {
     e.name: e
     for e in (
+        # K = 7: the self-draft agrees ~99% of the time, so a longer lookahead pays. Session 12
+        # (docs/bench/serving-s12/, docs/bench/int4-matmul/ssd/): serving ssd/ar 2.94x at
+        # concurrency 1 against K = 5's 2.39x, equal or better up to 8, 0.91x of K = 5 at 16;
+        # offline batch 1, K = 7 beat K = 5 on both sets in both repetitions.
         NamedEngine(
             DEFAULT_ENGINE,
             "SmolLM2-135M-Instruct (Q4_1) in fp32, drafted by its own weights in int4",
             target=ensure_smollm2_gguf,
+            speculation={"k": 7},
         ),
         # Target int8 (two activation levels), docs/draft.md and docs/bench/int8-target/: one token
         # 219-271 ms against fp32's 541, six 387 against 1202, at a KL of 0.0024 from fp32 (top-1

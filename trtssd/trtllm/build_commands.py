@@ -132,8 +132,11 @@ def _family_and_self_draft(name: str, engine: Path) -> tuple[str, bool]:
 def plan_for(name: str, engines_dir: str | Path | None = None, *, k: int | None = None,
              limits: EngineLimits = EngineLimits()) -> TrtllmPlan:
     """The TensorRT-LLM build of engine ``name`` under ``engines_dir`` (default: trtssd's);
-    ``k`` (the target's --max_draft_len) defaults to trtssd's lookahead."""
-    k = SpeculativeConfig.k if k is None else k
+    ``k`` (the target's --max_draft_len) defaults to the named engine's tuned lookahead, else
+    trtssd's default."""
+    if k is None:
+        named = NAMED_ENGINES.get(name)
+        k = named.speculation.get("k", SpeculativeConfig.k) if named is not None else SpeculativeConfig.k
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"k (--max_draft_len) must be an int >= 1, got {k!r}")
     engines = Path(engines_dir) if engines_dir is not None else default_engines_dir()

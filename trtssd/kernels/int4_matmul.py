@@ -5,8 +5,10 @@ What it computes: each row of x is quantized per group of 32 inputs to 16-bit co
 than bf16's), a group's dot product with the 4-bit codes is exact in integers, and the group's
 scale and min are applied in fp32. So the result is the dequantized weight's matmul up to ~1e-4
 relative (``tests/test_int4_matmul.py``), where aten's int4 kernel (bf16 activations) was ~5e-3.
-It is about twice as fast as aten's at one row on the AVX2 machines here
-(``docs/bench/int4-matmul/``), which matters because the draft's one-row forwards pace an SSD round.
+At one row on this project's AVX2 machine it was 2.3-2.7x faster than aten's with a projection's
+weights cached and 1.3-1.5x with the draft's weights streamed from memory; whole SSD and sd runs
+did not change measurably there, memory being the limit (``docs/bench/int4-matmul/``,
+``docs/draft.md``).
 
 Weights are laid out once at load time by ``Int4KernelWeight.from_codes``: codes in Q4_1's byte
 order, scales and mins as fp16 bits (Q4_1's own precision, checked to be exact).

@@ -8,7 +8,7 @@ min/max rule that produces Q4_1.
 
 - Ours (``trtssd.kernels.int4_matmul``, once the compiled extension is loaded): fp32 in and
   out, activations on a 16-bit grid per group, integer dot products; the dequantized weight's
-  matmul up to ~1e-4 relative, and about twice as fast as aten's at one row.
+  matmul up to ~1e-4 relative, and faster than aten's at one row (docs/draft.md, "Our int4 matmul").
 - aten's (``aten._weight_int4pack_mm_for_cpu``), the fallback where the extension cannot be
   built: its format is ``w = (code - 8) * scale + zero``, so the same codes with scale = d and
   zero = m + 8 d. It is fast only with bf16 activations and takes scales/zeros in the activation

@@ -19,7 +19,7 @@ namespace trtssd {
 namespace {
 
 constexpr int64_t kGroup = 32;
-constexpr int64_t kRowBlock = 4;  // rows of x that share one unpacking of a group's codes
+constexpr int kRowBlock = 4;  // rows of x that share one unpacking of a group's codes
 // Activation codes in [-32767, 32767]: a finer grid than bf16's 8-bit mantissa, and the integer
 // sums stay exact (a group's dot product is at most 32 * 15 * 32767 < 2^24, exact in fp32 too).
 constexpr float kLevels = 32767.f;
@@ -195,7 +195,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& nibbles, const at:
   float* out = y.data_ptr<float>();
   // Fewer rows leave room for more outputs a tile (at most eight accumulators).
   int64_t t = 0;
-  for (; t + kRowBlock <= n_rows; t += kRowBlock) rows<2, 4>(w, q, t, out);
+  for (; t + kRowBlock <= n_rows; t += kRowBlock) rows<2, kRowBlock>(w, q, t, out);
   switch (n_rows - t) {
     case 3: rows<2, 3>(w, q, t, out); break;
     case 2: rows<4, 2>(w, q, t, out); break;

@@ -49,10 +49,6 @@ class Int4KernelWeight:
         nibbles = (grouped[..., :half] | (grouped[..., half:] << 4)).reshape(n, k // 2).contiguous()
         return cls(nibbles, _fp16_bits(scales, "scales"), _fp16_bits(mins, "mins"))
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.nibbles.shape[0], self.nibbles.shape[1] * 2
-
 
 def _fp16_bits(values: torch.Tensor, name: str) -> torch.Tensor:
     half = values.to(torch.float16)

@@ -1,6 +1,6 @@
 """What llama.cpp would cost as the draft executor: forward time by rows on the embedded GGUF.
 
-The alternative issue 4 names for the draft: the same Q4_1 GGUF run by llama.cpp. This times
+An alternative executor for the draft: the same Q4_1 GGUF run by llama.cpp. This times
 ``llama_decode`` of n new tokens (one sequence, causal) after a 200-token context, 1 thread, so
 the numbers sit beside ``scripts/bench_draft.py``'s ``forward_cpu_ms_by_tokens``.
 

@@ -1,4 +1,4 @@
-"""Speculative decoding on a Markov chain, with the exact answer (ALGORITHM.md section 5).
+"""Speculative decoding on a Markov chain, with the exact answer (docs/algorithm.md section 5).
 
 The "language" is a Markov chain over V tokens: the target's logits for the next token depend only
 on the previous token (a [V, V] table), and so do the draft's. Plain autoregressive sampling from

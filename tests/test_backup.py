@@ -1,4 +1,4 @@
-"""Backup speculators and the per-round policy between them (ALGORITHM.md section 4)."""
+"""Backup speculators and the per-round policy between them (docs/algorithm.md section 4)."""
 
 from __future__ import annotations
 

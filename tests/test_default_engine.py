@@ -1,6 +1,6 @@
 """Greedy ssd equals ar token for token on the default engine (SmolLM2-135M target, int4
-self-draft): 4 prompts x 128 tokens at batch 4, then the first 2 of them again at batch 1 (issue
-5's end-to-end check; 20 prompts at both batch sizes cost CI 8 minutes, 8 and 4 still 93 s, for
+self-draft): 4 prompts x 128 tokens at batch 4, then the first 2 of them again at batch 1 (the
+end-to-end check; 20 prompts at both batch sizes cost CI 8 minutes, 8 and 4 still 93 s, for
 no path these miss: every forward is memory-bound, so a second wave of 4 doubled the time).
 
 sd is not run here (it cost CI 67 s): its verification is the one ssd's backups and hits go

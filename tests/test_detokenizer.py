@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop strings (issue 12, item 4): the streamed deltas always join
+"""Incremental detokenization and stop strings: the streamed deltas always join
 to the final text, nothing sent is taken back, the final text is the full decode cut before the
 first stop string, and the work per token stays bounded however long the output.
 
@@ -144,7 +144,7 @@ def _stream(loop: TargetLoop, params: SamplingParams, rounds: list[list[int]]):
 
 
 def test_a_stop_string_straddling_two_steps_is_never_sent_then_taken_back(smollm2):
-    """The issue's case: 'F', then 'A' (could start the stop 'AX'), then 'X' completes it. The old
+    """The reported case: 'F', then 'A' (could start the stop 'AX'), then 'X' completes it. The old
     code sent 'F', 'A', then the whole cut text 'F' again."""
     F, A, X = (_one_token(smollm2, c) for c in "FAX")
     seq, outputs = _stream(_loop(smollm2), SamplingParams(max_tokens=10, stop=("AX",)), [[F], [A], [X]])

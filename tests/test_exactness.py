@@ -1,4 +1,4 @@
-"""Statistical exactness of speculative verification (ALGORITHM.md section 5).
+"""Statistical exactness of speculative verification (docs/algorithm.md section 5).
 
 Every test simulates speculative decoding on a Markov chain until each of N rows has K + 1 tokens
 (tests/exact_chain.py: rounds of "draft K proposals from the last token, verify, emit") and checks
@@ -185,7 +185,7 @@ def test_reference_argmax_rule_is_detected():
 
 
 def test_saguaro_tokens_verified_with_plain_q_are_detected():
-    # Tokens drawn from q' but verified with q: the drift ALGORITHM.md section 5 warns about.
+    # Tokens drawn from q' but verified with q: the drift docs/algorithm.md section 5 warns about.
     assert_detected(CHAIN_K3, SAGUARO_K3, seed=17, draft_probs_fn=lambda prop: prop.plain_q)
 
 

@@ -8,7 +8,7 @@ enumeration to depth 6 is cheap) and a batch mixing greedy rows with top-k + min
 policy is fixed rather than auto because auto fan-out follows measured timings: on a loaded CI
 machine it chose narrower trees and the hit share fell to 0.45 (0.55 on a quiet one), while
 (2, 6) gives about 0.63 whatever the load. The
-negative control ships the plain q from the tree while sampling from q' (the drift ALGORITHM.md
+negative control ships the plain q from the tree while sampling from q' (the drift docs/algorithm.md
 section 5 warns about): the same check must fail.
 """
 

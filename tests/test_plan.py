@@ -1,4 +1,4 @@
-"""The speedup model against hand-computed cases, ALGORITHM.md section 8 and its limits."""
+"""The speedup model against hand-computed cases, docs/algorithm.md section 8 and its limits."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def unit_timings(draft: float, tree: float | None = None, **kw) -> Timings:
 
 
 def section8_ssd(h: float, e: float, e_miss: float, t_p: float, t_b: float) -> float:
-    """The formula exactly as ALGORITHM.md writes it (tokens per unit verify)."""
+    """The formula exactly as docs/algorithm.md writes it (tokens per unit verify)."""
     return (h * e + (1 - h) * e_miss) / (h * max(1, t_p) + (1 - h) * (t_b + max(1, t_p)))
 
 

@@ -1,4 +1,4 @@
-"""The Qwen2.5-Coder pair (issue 18): Qwen2.5-Coder-1.5B-Instruct (Q4_K / Q6_K) as the target,
+"""The Qwen2.5-Coder pair: Qwen2.5-Coder-1.5B-Instruct (Q4_K / Q6_K) as the target,
 Qwen2.5-Coder-0.5B-Instruct (Q5_0 / Q8_0 / Q4_K / Q6_K) as the draft, built from their PyPI
 wheels by `trtssd build qwen2.5-coder-1.5b`.
 

@@ -1,4 +1,4 @@
-"""Saguaro q' and fork selection (ALGORITHM.md sections 3 and 6)."""
+"""Saguaro q' and fork selection (docs/algorithm.md sections 3 and 6)."""
 
 from __future__ import annotations
 

@@ -88,7 +88,7 @@ def test_point_mass_rows_become_one_hot_logits_that_give_the_point_mass_rule():
     assert q[0, 4] == 1.0 and q[1, 5] == 1.0 and float(q.sum()) == 2.0
     assert float(logits.min()) == LOG_ZERO
     # TensorRT-LLM's kernel: accept with min(1, p(s)/q(s)) = p(s); residual max(p - q, 0) renormalised,
-    # which for q = delta_s is p with s removed (ALGORITHM.md section 5, point-mass rule).
+    # which for q = delta_s is p with s removed (docs/algorithm.md section 5, point-mass rule).
     p = torch.softmax(torch.randn(V, generator=torch.Generator().manual_seed(1)), dim=-1)
     residual = torch.clamp(p - q[0], min=0.0)
     expected = p.clone()

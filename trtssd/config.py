@@ -16,7 +16,7 @@ class Mode(str, enum.Enum):
 
 
 class Backup(str, enum.Enum):
-    """What answers a cache miss in SSD mode (ALGORITHM.md section 4)."""
+    """What answers a cache miss in SSD mode (docs/algorithm.md section 4)."""
 
     AUTO = "auto"  # choose per round from measured costs, hit rate and batch size
     NEURAL = "neural"  # the draft drafts K tokens just in time for the missing rows
@@ -75,7 +75,7 @@ class SpeculativeConfig:
     mode: Mode = Mode.SSD  # the product's point; ar/sd exist for honest comparison
     k: int = 5  # lookahead; the K sweep (docs/bench/sweep) peaks at K=7, 5 is within 9% and safer at low acceptance
     # "auto": each round, the budget (1..fanout_budget branches per sequence) with the best
-    # predicted tokens/s from measured draft forward and verify times (ALGORITHM.md section 8),
+    # predicted tokens/s from measured draft forward and verify times (docs/algorithm.md section 8),
     # spread over depths by section 7 from online a, c and r. Or K+1 explicit ints.
     fanout: str | tuple[int, ...] = "auto"
     fanout_budget: int = 12  # most branches per sequence per round when fanout is "auto"

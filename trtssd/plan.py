@@ -1,7 +1,7 @@
 """`trtssd plan`: what the speedup model predicts for ar, sd and ssd on given or measured timings.
 
-The model itself (ALGORITHM.md section 8) is `trtssd.runtime.speedup_model`, which the draft rank
-also runs live; this module reads timings (a file, flags or a measurement), searches K, fan-out
+The model itself (docs/algorithm.md section 8) is `trtssd.runtime.speedup_model`, which the draft
+rank also runs live; this module reads timings (a file, flags or a measurement), searches K, fan-out
 budget and backup per batch size, and prints a markdown table or JSON.
 """
 

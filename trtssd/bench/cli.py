@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 PRESETS = {
     # The default: a few minutes per system on a 2-core CPU.
     "quick": dict(prompts_per_set=4, max_tokens=64, batch_sizes=(1,), temperatures=(0.0,)),
-    # The matrix: batch sizes 1..8, greedy and sampled (hours on a 2-core CPU).
+    # The full matrix: batch sizes 1..8, greedy and sampled (hours on a 2-core CPU).
     "full": dict(prompts_per_set=16, max_tokens=128, batch_sizes=(1, 2, 4, 8), temperatures=(0.0, 0.8)),
 }
 

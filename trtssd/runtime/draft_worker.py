@@ -1,7 +1,7 @@
 """The draft rank's work, free of any transport: the paper's draft-side round.
 
     answer       the speculation for each sequence's actual outcome: from its cache on a hit,
-                 from a backup speculator on a miss (ALGORITHM.md sections 3-4)
+                 from a backup speculator on a miss (docs/algorithm.md sections 3-4)
     glue         draft KV for b, s_1..s_K and the K+1 rows of "what the bonus would be"
     fork         the likely bonus tokens per outcome depth (section 3 step 2, section 7 fan-out)
     tree         K tokens for every fork, all branches of all sequences in one forward per step
@@ -340,7 +340,7 @@ class DraftWorker:
         return width
 
     def _choose_tree_width(self, batch: int) -> int:
-        """Branches per sequence this round. Auto fan-out: the speedup model (ALGORITHM.md
+        """Branches per sequence this round. Auto fan-out: the speedup model (docs/algorithm.md
         section 8) over widths 1..fanout_budget, fed with the live draft forward costs and the
         target's last verify time."""
         if self.spec.fixed_fanout is not None:

@@ -1,4 +1,5 @@
-"""The speedup model of ALGORITHM.md section 8: predict tokens/s of ar, sd and ssd, pick K and fan-out.
+"""The speedup model of docs/algorithm.md section 8: predict tokens/s of ar, sd and ssd, pick K
+and fan-out.
 
 The draft rank uses it live every round (`StepCostModel`, `best_ssd`, `BackupCosts`,
 `prefer_neural`); `trtssd plan` and `trtssd bench` use it offline. Inputs are component times in
@@ -182,7 +183,7 @@ class Timings:
         for name in ("handshake_s", "overhead_s", "fast_backup_s"):
             _positive(getattr(self, name), name, allow_zero=True)
 
-    # Component times of ALGORITHM.md section 8, for a batch of b sequences.
+    # Component times of docs/algorithm.md section 8, for a batch of b sequences.
     def target_step(self, b: int) -> float:
         return self.target(b)
 
@@ -502,7 +503,7 @@ def recommend(t: Timings, w: Workload, batch_size: int = 1, ks: Iterable[int] = 
     return Recommendation(batch_size, predict_ar(t, batch_size), _fastest(sd), _fastest(ssd), tuple(sd + ssd))
 
 
-# --- backup choice per round (ALGORITHM.md section 4) --------------------------------------------
+# --- backup choice per round (docs/algorithm.md section 4) ---------------------------------------
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The fast backup speculator for cache misses (ALGORITHM.md §4).
+"""The fast backup speculator for cache misses (docs/algorithm.md §4).
 
 It proposes by prompt lookup (the continuation of the most recent earlier match of the sequence's
 last n-gram). Its tokens are deterministic, so verification treats them as a point mass and stays

@@ -1,6 +1,6 @@
 """The speculation cache of one sequence: verification outcome -> the speculation made for it.
 
-The draft pre-speculates once per round per sequence (ALGORITHM.md section 3), so the cache is
+The draft pre-speculates once per round per sequence (docs/algorithm.md section 3), so the cache is
 one entry set per sequence, replaced every round: key (k, bonus) = "k proposals accepted, then
 ``bonus`` emitted"; value = the K tokens the tree decode drew for that branch and the q' rows they
 were drawn from (needed for exact verification at temperature > 0; None for greedy rows). The

@@ -1,4 +1,4 @@
-"""Optimal fan-out per depth and online estimates of its inputs (ALGORITHM.md section 7).
+"""Optimal fan-out per depth and online estimates of its inputs (docs/algorithm.md section 7).
 
 Model: the verification outcome "k accepted" has probability pi_k = (1 - a) a^k for k < K and
 pi_K = a^K (acceptance a, i.i.d. per position). With F >= 1 cached candidates at depth k the

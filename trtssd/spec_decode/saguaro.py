@@ -1,4 +1,5 @@
-"""Saguaro: the cache-aware draft distribution q' and fork selection (ALGORITHM.md sections 3, 6).
+"""Saguaro: the cache-aware draft distribution q' and fork selection (docs/algorithm.md
+sections 3, 6).
 
 After a rejection at depth j the bonus is drawn from (p_j - q_j)+. The draft caches speculations
 for its top-F_j guesses of that bonus. Sampling s_{j+1} from q'_j instead of q_j, where q'_j

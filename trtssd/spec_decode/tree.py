@@ -4,7 +4,8 @@ After the glue decode of [b, s_1..s_K] the draft's region (slots after its commi
 holds those K+1 tokens at region slots 0..K. Fork (j, c) continues after b, s_1..s_j, so its
 tree tokens sit at logical positions N+j+1+d. Their KV goes to scratch slots after the glue,
 laid out step-major: branch i at step d uses region slot K+1 + d*nb + i. A branch sees the
-prefix, glue slots 0..j and its own earlier tree slots, never other branches (ALGORITHM.md §3).
+prefix, glue slots 0..j and its own earlier tree slots, never other branches
+(docs/algorithm.md §3).
 
 The first token's tree (made while the target prefills, before any speculation exists) has no
 glue: its forks are guesses of the token after the prompt, at logical position N + d, and its

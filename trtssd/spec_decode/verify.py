@@ -1,4 +1,4 @@
-"""Exact speculative verification (ALGORITHM.md section 5), batched over rows.
+"""Exact speculative verification (docs/algorithm.md section 5), batched over rows.
 
 Every row is verified by the rule that matches how its proposals were *produced*:
 

@@ -14,9 +14,9 @@ layer ``cpp/tensorrt_llm/layers/decodingLayer.cpp`` picks for external draft tok
 ``cpp/tensorrt_llm/kernels/speculativeDecoding/externalDraftTokensKernels.cu``,
 ``cpp/tensorrt_llm/layers/layersFactory.h``):
 
-- With draft logits it is ALGORITHM.md section 5. p: the target's logits after the penalty layer
-  (temperature; it runs first, layersFactory.h), masked to TensorRT-LLM's own top-k/top-p set and
-  softmaxed. q: ``softmax(draft logits)`` with no temperature. Accept draft i iff
+- With draft logits it is docs/algorithm.md section 5. p: the target's logits after the penalty
+  layer (temperature; it runs first, layersFactory.h), masked to TensorRT-LLM's own top-k/top-p
+  set and softmaxed. q: ``softmax(draft logits)`` with no temperature. Accept draft i iff
   ``p(s) > u * q(s)`` with ``u = curand_uniform`` in (0, 1] (older kernels: reject iff
   ``p/q < u``), i.e. with probability min(1, p/q), unless a constant ``acceptance_threshold`` is
   given (the source says those are for testing; we never set one). On the first rejection p
@@ -169,7 +169,8 @@ def derive_outcome(draft_tokens: Sequence[int], output_token_ids: Sequence[int],
     TensorRT-LLM does not count the end id in the sequence length (``forwardAcceptedTokensKernel``
     in externalDraftTokensKernels.cu), so an accepted or sampled end id may be missing from the
     output; it is put back here. A rejected draft can never be the
-    bonus (ALGORITHM.md section 3), so the first token that differs from the drafts is the bonus.
+    bonus (docs/algorithm.md section 3), so the first token that differs from the drafts is the
+    bonus.
     """
     drafts, out = list(draft_tokens), list(output_token_ids)
     stopped = finish_reason in STOP_REASONS

@@ -97,7 +97,7 @@ NAMED_ENGINES = {
     e.name: e
     for e in (
         # K = 7: the self-draft agrees ~99% of the time, so a longer lookahead pays. Measured
-        # (docs/bench/serving-s12/, docs/bench/int4-matmul/ssd/): serving ssd/ar 2.94x at
+        # (docs/bench/serving-k5-vs-k7/, docs/bench/int4-matmul/ssd/): serving ssd/ar 2.94x at
         # concurrency 1 against K = 5's 2.39x, equal or better up to 8, 0.91x of K = 5 at 16;
         # offline batch 1, K = 7 beat K = 5 on both sets in both repetitions.
         NamedEngine(

@@ -8,7 +8,10 @@ from trtssd.sampling import SamplingParams
 
 def __getattr__(name: str):
     if name == "__version__":  # pyproject.toml's, as installed: one place to bump
-        return importlib.metadata.version("trtssd")
+        try:
+            return importlib.metadata.version("trtssd")
+        except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, never installed
+            return "unknown (not installed)"
     # LLM pulls in MPI and the model code; import it only when asked for.
     if name in ("LLM", "RequestOutput"):
         from trtssd import llm

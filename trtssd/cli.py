@@ -43,10 +43,11 @@ def _generate(args: argparse.Namespace) -> int:
             m = o.metrics
             tok_s = len(o.token_ids) / m["e2e_s"] if m["e2e_s"] else 0.0
             sys.stdout.write(f"{o.text}\n\n")
-            log.warning(
-                "mode=%s tokens=%d %.1f tok/s acceptance_len=%.2f hit_rate=%.2f overlap=%.2f finish=%s",
-                args.mode, len(o.token_ids), tok_s, m["mean_acceptance_length"], m["cache_hit_rate"],
-                m["overlap_efficiency"], o.finish_reason,
+            # A result, not a warning: on stdout with the text it describes.
+            sys.stdout.write(
+                f"mode={args.mode} tokens={len(o.token_ids)} {tok_s:.1f} tok/s "
+                f"acceptance_len={m['mean_acceptance_length']:.2f} hit_rate={m['cache_hit_rate']:.2f} "
+                f"overlap={m['overlap_efficiency']:.2f} finish={o.finish_reason}\n\n"
             )
     return 0
 
@@ -229,8 +230,15 @@ def _build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    import trtssd
+
+    return trtssd.__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trtssd", description="speculative speculative decoding runtime")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -34,7 +34,8 @@ from trtssd.backends.base import Executor, chain_chunk
 from trtssd.config import Backup, Mode, Source, SpeculativeConfig
 from trtssd.runtime.protocol import Outcome, Prefill, SpeculateRequest
 from trtssd.runtime.speedup_model import (BackupCosts, CostCurve, StepCostModel, Timings, Workload,
-                                          acceptance_from_length, prefer_neural, best_ssd, time_forwards,
+                                          acceptance_from_length, calibration_key_fields, load_calibration,
+                                          prefer_neural, best_ssd, store_calibration, time_forwards,
                                           time_tree_steps)
 from trtssd.sampling import SamplingParams, processed_probs, sample_with_uniforms
 from trtssd.spec_decode.backup import ngram_proposal
@@ -113,12 +114,21 @@ class DraftWorker:
     def calibrate(self, context: int = 128, max_rows: int = 64) -> dict[int, float]:
         """Time draft chain forwards of 1, 2, 4, ... rows and tree steps of as many branches on a
         scratch sequence, so the auto fan-out knows from the first round what a wider tree costs
-        on this machine. Returns the chain forwards' {rows: s}."""
-        points = time_forwards(self.executor, max_rows, context)
+        on this machine. Returns the chain forwards' {rows: s}.
+
+        A calibration is stored per machine and model (`speedup_model.load_calibration`) and
+        reused at the next start: timing is most of a large draft's start-up."""
+        fields = calibration_key_fields(self.executor, k=self.k, max_rows=max_rows, context=context)
+        stored = load_calibration(fields)
+        if stored is None:
+            points = time_forwards(self.executor, max_rows, context)
+            tree = time_tree_steps(self.executor, self.k, max_rows, context)
+            store_calibration(fields, points, tree)
+        else:
+            points, tree = stored["chain"], stored["tree"]
         self.forward_costs.calibrate(points)
-        tree = time_tree_steps(self.executor, self.k, max_rows, context)
         self.tree_costs.calibrate(tree)
-        log.info("draft seconds by rows: chain forward %s, tree step %s",
+        log.info("draft seconds by rows (%s): chain forward %s, tree step %s", "stored" if stored else "timed",
                  {r: round(t, 4) for r, t in points.items()}, {r: round(t, 4) for r, t in tree.items()})
         return points
 

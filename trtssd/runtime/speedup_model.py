@@ -29,18 +29,29 @@ ssd = [h E + (1 - h) E_miss] / [h max(1, T_p) + (1 - h)(T_b + max(1, T_p))].
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import hashlib
+import importlib.metadata
+import json
+import logging
 import math
+import os
+import platform
 import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
 from trtssd.backends.base import Chunk, Executor, chain_chunk
 from trtssd.spec_decode.fanout import expected_hit_rate, optimal_fanout
 from trtssd.spec_decode.tree import TreeLayout
+
+log = logging.getLogger(__name__)
 
 DEFAULT_KS = tuple(range(1, 9))  # lookaheads searched by `recommend`
 DEFAULT_BUDGETS = (1, 2, 4, 6, 8, 12, 16, 24, 32)  # fan-out budgets (branches per sequence) searched
@@ -304,6 +315,132 @@ def _timing_sizes(executor: Executor, most: int, context: int, slots) -> tuple[i
     sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128)
              if n <= min(most, limit) and context + slots(n) <= executor.max_seq_len]
     return context, sizes or [1]
+
+
+# --- cached calibrations ------------------------------------------------------------------------
+# Timing the draft's forwards takes seconds to tens of seconds at every start (the Qwen pair's
+# draft: most of its start-up), and gives the same shape on the same machine for the same model:
+# so it is stored per machine and model and reused. The live scale of a `StepCostModel` still
+# follows what forwards cost now.
+
+CALIBRATION_CACHE_ENV = "TRTSSD_CALIBRATION_CACHE"  # a directory, or "off" to time at every start
+
+
+def calibration_cache_dir() -> Path | None:
+    """Where calibrations are kept (default ~/.cache/trtssd/calibration), None when caching is off.
+    Deleting the directory makes the next start time its forwards again."""
+    value = os.environ.get(CALIBRATION_CACHE_ENV)
+    if value is not None and value.strip().lower() in ("off", "0", "no", "false", ""):
+        return None
+    return Path(value) if value else Path.home() / ".cache" / "trtssd" / "calibration"
+
+
+def calibration_key_fields(executor: Executor, **settings: Any) -> dict:
+    """What the timed costs depend on: the machine (CPU, cores, threads, torch, trtssd), the
+    model's shape and how it runs (dtype, device, each projection's class and the tensors it
+    holds: int4, int8, packed or plain weights; the compiled layers) and the timing settings."""
+    model = getattr(executor, "model", None)
+    config = getattr(executor, "config", None)
+    device = getattr(executor, "device", None)
+    return {
+        "cpu": _cpu_model(),
+        "cpus": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "trtssd": _trtssd_version(),
+        "accelerator": torch.cuda.get_device_name(device) if getattr(device, "type", None) == "cuda" else None,
+        "executor": type(executor).__name__,
+        "config": dataclasses.asdict(config) if dataclasses.is_dataclass(config) else repr(config),
+        "dtype": str(getattr(executor, "dtype", None)),
+        "device": str(device),
+        "max_seq_len": getattr(executor, "max_seq_len", None),
+        "max_batch_tokens": getattr(executor, "max_batch_tokens", None),
+        "projections": _projection_layouts(model),
+        "fused_layers": _fused_layers(model),
+        **settings,
+    }
+
+
+def calibration_key(fields: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def load_calibration(fields: Mapping[str, Any]) -> dict[str, dict[int, float]] | None:
+    """The stored {"chain": {rows: s}, "tree": {branches: s}} for these fields, or None (not
+    stored, caching off, or an unreadable file, which the next store replaces)."""
+    folder = calibration_cache_dir()
+    if folder is None:
+        return None
+    path = folder / f"{calibration_key(fields)}.json"
+    try:
+        data = json.loads(path.read_text())
+        return {part: {int(n): float(s) for n, s in data[part].items()} for part in ("chain", "tree")}
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        log.warning("ignoring unreadable calibration %s (%s); timing again", path, err)
+        return None
+
+
+def store_calibration(fields: Mapping[str, Any], chain: Mapping[int, float], tree: Mapping[int, float]) -> Path | None:
+    """Keep a calibration for the next start (written whole or not at all); None when caching is
+    off or the directory is not writable (a start then only costs the timing again)."""
+    folder = calibration_cache_dir()
+    if folder is None:
+        return None
+    path = folder / f"{calibration_key(fields)}.json"
+    record = {"measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "fields": fields, "chain": dict(chain), "tree": dict(tree)}
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text(json.dumps(record, indent=1, default=str) + "\n")
+        os.replace(partial, path)
+    except OSError as err:
+        log.warning("could not store the draft calibration in %s: %s", folder, err)
+        return None
+    return path
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _trtssd_version() -> str:
+    try:
+        return importlib.metadata.version("trtssd")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _projection_layouts(model) -> list | None:
+    """Each projection's class and the names of the tensors it holds (which kernel runs it)."""
+    linears = getattr(model, "linears", None)
+    if linears is None:
+        return None
+    return [[name, type(module).__name__, _held_tensors(module)] for name, module in linears()]
+
+
+def _held_tensors(module) -> list[str]:
+    held = [n for n, v in module.named_parameters(recurse=False) if v is not None]
+    held += [n for n, v in module.named_buffers(recurse=False) if v is not None]
+    held += [n for n, v in vars(module).items() if isinstance(v, (torch.Tensor, torch.ScriptObject))
+             or dataclasses.is_dataclass(v)]
+    return sorted(set(held))
+
+
+def _fused_layers(model) -> list | None:
+    fused = getattr(model, "fused_layers", None)
+    if fused is None:
+        return None
+    return [type(fused).__name__, getattr(fused, "kind", None), getattr(fused, "max_tokens", None)]
 
 
 # --- workload ------------------------------------------------------------------------------------

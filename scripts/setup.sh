@@ -14,3 +14,4 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q -e ".[test,kernels]"
   touch "$stamp"
 fi
+bash scripts/setup_llamacpp.sh >/dev/null  # llama.cpp's executables + llama-cpp-python, cached per machine

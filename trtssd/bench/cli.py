@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-eos", action="store_true", help="stop at EOS (default: exactly --max-tokens tokens)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peer-threads", type=int, default=1, help="torch threads for the transformers peers")
+    p.add_argument("--llamacpp-threads", type=int, default=1,
+                   help="llama-server threads per model (target, and the draft in llama.cpp-sd); default 1, "
+                   "as trtssd's one core per rank")
+    p.add_argument("--llamacpp-draft-max", type=_ints, default=(),
+                   help="llama.cpp-sd draft lengths (--spec-draft-n-max), a row each, e.g. 2,3,4,6 "
+                   "(default: the --k values)")
     p.add_argument("--hf-target", default=None, help="transformers source of the target (dir or .gguf)")
     p.add_argument("--hf-draft", default=None, help="transformers source of the assistant model")
     p.add_argument("--no-calibrate", action="store_true", help="skip forward timing and the plan comparison")
@@ -92,7 +98,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         engine=args.engine, target=args.target, draft=args.draft, systems=args.systems, datasets=args.datasets,
         ks=args.k, budgets=args.budget, backup=args.backup, saguaro_c=args.saguaro_c, ignore_eos=not args.allow_eos, seed=args.seed,
-        warmup=not args.no_warmup, peer_threads=args.peer_threads, shared_cores=args.shared_cores, hf_target=args.hf_target, hf_draft=args.hf_draft,
+        warmup=not args.no_warmup, peer_threads=args.peer_threads, llamacpp_threads=args.llamacpp_threads,
+        llamacpp_draft_max=args.llamacpp_draft_max, shared_cores=args.shared_cores, hf_target=args.hf_target, hf_draft=args.hf_draft,
         calibrate=not args.no_calibrate, handshake_s=args.handshake_s, out_dir=Path(args.out),
         plots=not args.no_plots, target_device=args.target_device, draft_device=args.draft_device, **preset)
 

@@ -17,7 +17,9 @@ log = logging.getLogger(__name__)
 
 TRTSSD_SYSTEMS = ("ar", "sd", "ssd")
 HF_SYSTEMS = ("hf-greedy", "hf-assisted")
-ALL_SYSTEMS = TRTSSD_SYSTEMS + HF_SYSTEMS + ("llama-cpp",)
+# llama.cpp's llama-server on the engine's GGUF files: plain decoding, and with the draft GGUF.
+LLAMACPP_SYSTEMS = ("llama.cpp", "llama.cpp-sd")
+ALL_SYSTEMS = TRTSSD_SYSTEMS + HF_SYSTEMS + LLAMACPP_SYSTEMS
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,11 @@ class BenchConfig:
     seed: int = 0  # sampling seed base (temperature > 0)
     warmup: bool = True  # one short untimed request per loaded system
     peer_threads: int = 1  # torch threads for the transformers peers (trtssd: one per rank)
+    # llama-server threads: the target's, and in llama.cpp-sd the draft's too (it runs the two
+    # in turn in one process); 1 matches trtssd's one core per rank.
+    llamacpp_threads: int = 1
+    # llama.cpp-sd's draft lengths (--spec-draft-n-max), one row each; empty: the same as ks.
+    llamacpp_draft_max: tuple[int, ...] = ()
     shared_cores: bool = False  # trtssd ranks each get every core (threads = cores), shared
     hf_target: str | None = None  # override: transformers source of the target (dir or .gguf)
     hf_draft: str | None = None  # override: transformers source of the assistant
@@ -59,15 +66,15 @@ class BenchConfig:
             raise ValueError("give either engine or target/draft, not both")
         if self.draft is not None and self.target is None:
             raise ValueError("draft needs target")
-        for name in ("batch_sizes", "ks", "budgets"):
+        for name in ("batch_sizes", "ks", "budgets", "llamacpp_draft_max"):
             values = getattr(self, name)
             if (name == "batch_sizes" and not values) or any(not isinstance(v, int) or v < 1 for v in values):
                 raise ValueError(f"{name} must be a {'non-empty ' if name == 'batch_sizes' else ''}list of ints >= 1; "
                                  f"got {values!r}")
         if not self.temperatures or any(not 0 <= t <= 10 for t in self.temperatures):
             raise ValueError(f"temperatures must be a non-empty list of numbers in [0, 10]; got {self.temperatures!r}")
-        if self.max_tokens < 1 or self.prompts_per_set < 1 or self.peer_threads < 1:
-            raise ValueError("max_tokens, prompts_per_set and peer_threads must be >= 1")
+        if min(self.max_tokens, self.prompts_per_set, self.peer_threads, self.llamacpp_threads) < 1:
+            raise ValueError("max_tokens, prompts_per_set, peer_threads and llamacpp_threads must be >= 1")
         if self.saguaro_c is not None and not 0.0 < self.saguaro_c <= 1.0:
             raise ValueError(f"saguaro_c must be in (0, 1]; got {self.saguaro_c!r}")
         if self.backup not in ("auto", "neural", "fast"):
@@ -94,7 +101,7 @@ class BenchConfig:
 class Instance:
     """One loaded system and the cells it runs (trtssd: one LLM per mode/K/budget)."""
 
-    system: str  # "ar", "sd", "ssd", "hf" (both transformers peers share the loaded models) or "llama-cpp"
+    system: str  # "ar", "sd", "ssd", "hf" (both transformers peers share the loaded models), "llama.cpp", "llama.cpp-sd"
     k: int | None
     budget: int | None
     keys: tuple[RunKey, ...]
@@ -106,6 +113,8 @@ def plan_instances(cfg: BenchConfig) -> list[Instance]:
     cells = []
     for system in cfg.systems:
         ks = cfg.ks if system in ("sd", "ssd", "hf-assisted") else (None,)
+        if system == "llama.cpp-sd":  # K = its draft length; each K is its own server
+            ks = cfg.llamacpp_draft_max or cfg.ks
         budgets = cfg.budgets if system == "ssd" else (None,)
         for k in ks:
             for budget in budgets:

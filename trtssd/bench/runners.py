@@ -1,4 +1,4 @@
-"""Runners, one per loaded system: trtssd's LLM, transformers (greedy and assisted), llama.cpp."""
+"""Runners, one per loaded system: trtssd's LLM, transformers (greedy and assisted), llama.cpp's llama-server."""
 
 from __future__ import annotations
 
@@ -247,41 +247,116 @@ class HFRunner:
 
 
 class LlamaCppRunner:
-    """llama.cpp's own decoding of the same GGUF (llama-cpp-python), batch 1.
+    """llama.cpp's llama-server on the engine's GGUF files: ``llama.cpp`` decodes plainly,
+    ``llama.cpp-sd`` drafts with the draft GGUF (K = ``--spec-draft-n-max``).
 
-    Not run here: llama-cpp-python is not in the environment by default. When docs/draft.md
-    installed it, its default build crashed on that CPU in AMX weight repacking, which
-    scripts/bench_llamacpp.py turns off and this runner does not.
+    One server per instance, with a slot per row of the largest batch; a batch of N is N
+    concurrent /completion requests. Prompts go as token ids (no BOS added: the same ids trtssd
+    sees), ``cache_prompt`` off so every request pays its prefill as trtssd's do. TTFT is the
+    server's own prompt time (the requests do not stream); a request's end is when its reply
+    arrives; tokens per delivery estimate llama.cpp's acceptance length (tokens / (tokens - accepted)).
     """
 
-    def __init__(self, cfg: BenchConfig):
-        try:
-            from llama_cpp import Llama
-        except ImportError:
-            raise SkipRun("llama.cpp (llama-cpp-python) is not installed") from None
-        path, kwargs = hf_source(cfg.hf_target or cfg.model_refs()[0].path, "target")
-        if "gguf_file" not in kwargs:
-            raise SkipRun("llama.cpp needs a GGUF target")
-        self.model = Llama(model_path=str(Path(path) / kwargs["gguf_file"]), n_ctx=4096,
-                           n_threads=cfg.peer_threads, seed=cfg.seed, verbose=False)
+    def __init__(self, cfg: BenchConfig, system: str, k: int | None, max_seq_len: int):
+        from trtssd.bench.llamacpp import LlamaServer, ServerOptions, find_llama_server
 
-    def run_batch(self, key: RunKey, prompts, ids, cfg: BenchConfig, seed: int) -> tuple[BatchRecord, None]:
-        if len(prompts) > 1:
-            raise SkipRun("the llama.cpp peer runs batch size 1 only")
+        binary = find_llama_server()
+        if binary is None:
+            raise SkipRun("llama-server is not built (run scripts/setup_llamacpp.sh)")
+        target, draft, where = gguf_files(cfg)
+        if system == "llama.cpp-sd" and draft is None:
+            raise SkipRun(where)
+        speculative = system == "llama.cpp-sd"
+        draft_max = k or 3
+        options = ServerOptions(model=target, draft=draft if speculative else None, draft_max=draft_max,
+                                threads=cfg.llamacpp_threads, parallel=max(cfg.batch_sizes),
+                                ctx_per_slot=max_seq_len + (draft_max if speculative else 0) + 16, seed=cfg.seed)
+        self.server = LlamaServer(options, binary)
+        self.server.start()
+        self.peer_note = (f"{where}; llama-server {binary} with {cfg.llamacpp_threads} thread(s) per model, "
+                          "--no-repack, prompts as token ids, no prompt cache")
+
+    def run_batch(self, key: RunKey, prompts: Sequence[list[int]], ids: Sequence[str], cfg: BenchConfig,
+                  seed: int) -> tuple[BatchRecord, None]:
+        from concurrent.futures import ThreadPoolExecutor
+
         start = time.perf_counter()
-        events = [(start, 0)]
-        tokens: list[int] = []
-        for token in self.model.generate(list(prompts[0]), temp=key.temperature, top_k=0, top_p=1.0, reset=True):
-            events.append((time.perf_counter(), 1))
-            tokens.append(int(token))
-            if len(tokens) >= cfg.max_tokens:
-                break
+        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+            futures = [pool.submit(self._request, key, p, cfg, seed + i) for i, p in enumerate(prompts)]
+            replies = [f.result() for f in futures]
         wall = time.perf_counter() - start
-        rec = _record(ids[0], prompts[0], tokens, "length", events)
-        return BatchRecord((rec,), wall, rec.ttft_s), None
+        records = tuple(_llamacpp_record(pid, prompt, reply, end - start)
+                        for pid, prompt, (reply, end) in zip(ids, prompts, replies))
+        return BatchRecord(records, wall, max(r.ttft_s for r in records)), None
+
+    def _request(self, key: RunKey, prompt: Sequence[int], cfg: BenchConfig, seed: int) -> tuple[dict, float]:
+        from trtssd.bench.llamacpp import sampling_body
+
+        body = {"prompt": [int(t) for t in prompt], "n_predict": cfg.max_tokens, "ignore_eos": cfg.ignore_eos,
+                "cache_prompt": False, "return_tokens": True, "stream": False,
+                **sampling_body(key.temperature, seed)}
+        reply = self.server.completion(body)
+        return reply, time.perf_counter()
 
     def close(self) -> None:
-        self.model = None
+        server, self.server = getattr(self, "server", None), None
+        if server is not None:
+            server.stop()
+
+
+def _llamacpp_record(prompt_id: str, prompt: Sequence[int], reply: dict, e2e_s: float) -> RequestRecord:
+    """A RequestRecord from a /completion reply (its ``timings``) and the client's time to it."""
+    tokens = tuple(int(t) for t in reply.get("tokens") or ())
+    if not tokens:
+        raise RuntimeError(f"request {prompt_id!r}: llama-server returned no tokens ({reply.get('stop_type')!r})")
+    timings = reply.get("timings", {})
+    ttft = timings.get("prompt_ms", 0.0) / 1e3
+    decode = timings.get("predicted_ms", 0.0) / 1e3
+    accepted = int(timings.get("draft_n_accepted") or 0)
+    rest = len(tokens) - 1
+    finish = {"limit": "length", "eos": "stop", "word": "stop"}.get(reply.get("stop_type"), "unknown")
+    return RequestRecord(prompt_id, len(prompt), tokens, finish, ttft, max(e2e_s, ttft),
+                         tuple([decode / rest] * rest) if rest else (), max(len(tokens) - accepted, 1), 1)
+
+
+def gguf_files(cfg: BenchConfig) -> tuple[Path, Path | None, str]:
+    """(target GGUF, draft GGUF or None, a note on where they came from) for llama.cpp.
+
+    With --target/--draft the files given; for an engine directory its manifest: a side stored
+    as a GGUF ("path" ending in .gguf) is that file; an int4 self-draft (quantized from the
+    target) becomes the target's own GGUF, the closest llama.cpp has to it; otherwise the GGUF
+    the build recorded as the side's source ("build.recipe"), if it is still on this machine.
+    """
+    if cfg.target is not None:
+        target = Path(cfg.target)
+        if target.suffix != ".gguf":
+            raise SkipRun(f"llama.cpp needs a GGUF target; got {target}")
+        draft = Path(cfg.draft) if cfg.draft else target
+        if draft.suffix != ".gguf":
+            return target, None, f"the draft {draft} is not a GGUF file"
+        return target, draft, f"llama.cpp: target {target.name}, draft {draft.name}"
+    engine = Path(cfg.model_refs()[0].path)
+    manifest = json.loads((engine / "manifest.json").read_text())
+    target = _side_gguf(engine, manifest, "target")
+    if target is None:
+        raise SkipRun(f"engine {engine.name} has no GGUF target (llama.cpp runs GGUF files only)")
+    if _is_self_draft(str(engine)):
+        return target, target, f"llama.cpp-sd: draft = the target's own GGUF (engine {engine.name} self-drafts)"
+    draft = _side_gguf(engine, manifest, "draft")
+    if draft is None:
+        return target, None, f"engine {engine.name}'s draft is not a GGUF file on this machine"
+    return target, draft, f"llama.cpp: target {target}, draft {draft}"
+
+
+def _side_gguf(engine: Path, manifest: dict, side: str) -> Path | None:
+    entry = manifest.get(side)
+    stored = entry.get("path") if isinstance(entry, dict) else None
+    if isinstance(stored, str) and stored.endswith(".gguf") and (engine / stored).is_file():
+        return (engine / stored).resolve()  # engines link their GGUF in; llama.cpp mmaps it either way
+    source = _built_from(manifest, side)
+    if source is not None and source.endswith(".gguf") and Path(source).is_file():
+        return Path(source)
+    return None
 
 
 class SkipRun(Exception):

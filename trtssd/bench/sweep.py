@@ -32,7 +32,7 @@ def _make_runner(inst: Instance, cfg: BenchConfig, max_seq_len: int):
         return TrtssdRunner(cfg, inst.system, inst.k, inst.budget, max_seq_len)
     if inst.system == "hf":
         return HFRunner(cfg, needs_assistant=any(k.system == "hf-assisted" for k in inst.keys))
-    return LlamaCppRunner(cfg)
+    return LlamaCppRunner(cfg, inst.system, inst.k, max_seq_len)
 
 
 def _warmup(runner, key: RunKey, prompt: list[int], cfg: BenchConfig) -> None:
@@ -126,6 +126,8 @@ def _run_instance(inst: Instance, cfg: BenchConfig, encoded, ids, max_seq_len: i
     try:
         if getattr(runner, "assistant_note", ""):
             notes.append(f"hf-assisted: {runner.assistant_note}")
+        if getattr(runner, "peer_note", "") and runner.peer_note not in notes:
+            notes.append(runner.peer_note)
         if cfg.warmup:
             for first in {k.system: k for k in reversed(inst.keys)}.values():  # each system's first cell
                 _warmup(runner, first, encoded[first.dataset][0], cfg)

@@ -1,0 +1,229 @@
+"""llama.cpp's own server as a peer: find the built ``llama-server``, start it, talk to it, stop it.
+
+``scripts/setup_llamacpp.sh`` builds the executables from the llama.cpp tree vendored in the
+llama-cpp-python sdist (the same ggml as the llama-cpp-python wheel) into
+``~/.cache/trtssd/llama.cpp/<version>/bin``.
+
+    with LlamaServer(ServerOptions(model=Path("target.gguf"), draft=Path("draft.gguf"))) as server:
+        reply = server.completion({"prompt": [1, 2, 3], "n_predict": 8, "temperature": 0})
+
+The server always runs with ``--no-repack``: repacked weights take a different matmul path for
+some batch shapes, so a row's logits would depend on its batch, and greedy sd would no longer
+equal plain decoding. The process is ended on leaving the ``with`` block, also on an error inside
+it (terminate, then kill), so no server outlives its benchmark.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+LLAMACPP_VERSION = "0.3.36"  # llama-cpp-python's version; keys the build folder (scripts/setup_llamacpp.sh)
+SETUP_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "setup_llamacpp.sh"
+
+
+class LlamaServerError(RuntimeError):
+    """llama-server is missing, did not start, or answered with an error."""
+
+
+def default_bin_dir() -> Path:
+    cache = Path(os.environ.get("TRTSSD_CACHE", Path.home() / ".cache" / "trtssd"))
+    return cache / "llama.cpp" / LLAMACPP_VERSION / "bin"
+
+
+def find_llama_server() -> Path | None:
+    """$TRTSSD_LLAMA_SERVER, else the one setup_llamacpp.sh built, else one on PATH; None if none."""
+    given = os.environ.get("TRTSSD_LLAMA_SERVER")
+    if given:
+        return Path(given)
+    built = default_bin_dir() / "llama-server"
+    if built.is_file() and os.access(built, os.X_OK):
+        return built
+    on_path = shutil.which("llama-server")
+    return Path(on_path) if on_path else None
+
+
+def build_llama_server(timeout_s: float = 3600) -> Path:
+    """Run scripts/setup_llamacpp.sh (a no-op once built) and return llama-server's path."""
+    if not SETUP_SCRIPT.is_file():
+        raise LlamaServerError(f"{SETUP_SCRIPT} is not there (not a source checkout): build llama-server yourself "
+                               "and set TRTSSD_LLAMA_SERVER")
+    proc = subprocess.run(["bash", str(SETUP_SCRIPT)], capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise LlamaServerError(f"{SETUP_SCRIPT} failed:\n{proc.stderr.strip()[-3000:]}")
+    server = Path(proc.stdout.strip().splitlines()[-1]) / "llama-server"
+    if not server.is_file():
+        raise LlamaServerError(f"{SETUP_SCRIPT} succeeded but {server} is not there")
+    return server
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """How one llama-server runs. Flag names are those of the llama.cpp in LLAMACPP_VERSION."""
+
+    model: Path  # target GGUF
+    draft: Path | None = None  # draft GGUF: speculative decoding (llama.cpp's draft-simple)
+    draft_max: int = 3  # most tokens drafted per round (--spec-draft-n-max)
+    threads: int = 1  # decode threads of the target (-t); trtssd's default is one core per rank
+    threads_batch: int | None = None  # prefill threads (-tb); None: same as threads
+    draft_threads: int | None = None  # the draft's threads (-td); None: same as threads
+    parallel: int = 1  # slots (--parallel): requests decoded together
+    ctx_per_slot: int = 2048  # context of each slot; -c is this times parallel
+    seed: int = 0
+    extra_args: tuple[str, ...] = ()  # appended to the command line as they are
+    start_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        for name in ("draft_max", "threads", "parallel", "ctx_per_slot"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)!r}")
+
+    def command(self, binary: Path, port: int) -> list[str]:
+        cmd = [str(binary), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(port),
+               "-t", str(self.threads), "-tb", str(self.threads_batch or self.threads),
+               "-c", str(self.ctx_per_slot * self.parallel), "--parallel", str(self.parallel),
+               "--no-repack", "--seed", str(self.seed),
+               # No web UI, no warm-up run at start (the bench warms up itself), no slot reuse of
+               # earlier prompts (prefill is counted as trtssd counts it).
+               "--no-webui", "--no-warmup", "--no-cache-prompt"]
+        if self.draft is not None:
+            draft_threads = str(self.draft_threads or self.threads)
+            cmd += ["-md", str(self.draft), "--spec-type", "draft-simple",
+                    "--spec-draft-n-max", str(self.draft_max), "--spec-draft-n-min", "0",
+                    "-td", draft_threads, "-tbd", draft_threads]
+        return cmd + list(self.extra_args)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """A llama-server process on 127.0.0.1 and a free port; a context manager."""
+
+    def __init__(self, options: ServerOptions, binary: Path | None = None):
+        self.options = options
+        self.binary = binary or find_llama_server()
+        if self.binary is None:
+            raise LlamaServerError("llama-server not found: run scripts/setup_llamacpp.sh (or set TRTSSD_LLAMA_SERVER)")
+        self.proc: subprocess.Popen | None = None
+        self.port: int | None = None
+        self._log_file = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def __enter__(self) -> "LlamaServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        # The port is free when chosen but another process may take it before the server binds;
+        # then the server exits at once and the next try takes another port.
+        for attempt in range(3):
+            self.port = free_port()
+            self._log_file = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=False)
+            cmd = self.options.command(self.binary, self.port)
+            log.info("starting %s", " ".join(cmd))
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log_file,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                self._wait_healthy()
+                log.info("llama-server pid %d ready at %s", self.proc.pid, self.url)
+                return
+            except LlamaServerError:
+                tail = self.log_tail()
+                self.stop()
+                if attempt == 2 or "bind" not in tail.lower():
+                    raise
+                log.warning("llama-server could not bind port %d; trying another", self.port)
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.options.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise LlamaServerError(f"llama-server exited with {self.proc.returncode} while starting:\n"
+                                       f"{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass  # not listening yet, or 503 while the model loads
+            time.sleep(0.1)
+        raise LlamaServerError(f"llama-server not healthy after {self.options.start_timeout_s:.0f} s:\n"
+                               f"{self.log_tail()}")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        if self._log_file is None:
+            return ""
+        try:
+            return Path(self._log_file.name).read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """End the process: SIGTERM (it finishes its slots and exits), then SIGKILL."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("llama-server pid %d ignored SIGTERM; killing it", proc.pid)
+                proc.kill()
+                proc.wait(timeout=timeout_s)
+        if self._log_file is not None:
+            self._log_file.close()
+            Path(self._log_file.name).unlink(missing_ok=True)
+            self._log_file = None
+
+    def completion(self, body: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
+        """POST /completion (llama.cpp's native endpoint); the reply's JSON."""
+        return self._post("/completion", body, timeout_s)
+
+    def _post(self, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        if self.proc is None:
+            raise LlamaServerError("llama-server is not running")
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            raise LlamaServerError(f"llama-server {path}: HTTP {err.code}: {err.read()[:500]!r}") from None
+        except (urllib.error.URLError, ConnectionError) as err:
+            raise LlamaServerError(f"llama-server {path}: {err}\n{self.log_tail()}") from None
+
+
+def sampling_body(temperature: float, seed: int | None) -> dict[str, Any]:
+    """/completion sampling fields for trtssd's SamplingParams(temperature) with top-k, top-p and
+    min-p off: only the temperature sampler runs (greedy at 0), as in trtssd."""
+    body: dict[str, Any] = {"temperature": temperature, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+                            "samplers": ["temperature"]}
+    if seed is not None:
+        body["seed"] = seed
+    return body

@@ -24,8 +24,11 @@ NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-inf
                                     "results", ".cache")
 
 
-def _run(cmd, env=None, timeout=300) -> subprocess.CompletedProcess:
-    done = subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True, timeout=timeout)
+def _run(cmd, env=None, timeout=300, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run ``cmd``; ``cwd`` away from the checkout, else `python -c` and `-m` would import the
+    checkout's trtssd instead of the installed one."""
+    done = subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd or Path.home())
     assert done.returncode == 0, f"{cmd} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done
 
@@ -53,9 +56,10 @@ def test_the_wheel_installs_and_generates_in_a_fresh_venv(tmp_path):
 
     version = _run([venv / "bin" / "trtssd", "--version"]).stdout.strip()
     assert version.startswith("trtssd ") and "unknown" not in version
-    header = _run([python, "-c", "import importlib.resources as r; "
-                   "print(r.files('trtssd.kernels').joinpath('int4_matmul.h').is_file())"]).stdout.strip()
-    assert header == "True"  # the compiled layers can build from the installed wheel
+    where = _run([python, "-c", "import importlib.resources as r, trtssd; print(trtssd.__file__); "
+                  "print(r.files('trtssd.kernels').joinpath('int4_matmul.h').is_file())"]).stdout.split()
+    assert where == [str(venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+                         / "trtssd" / "__init__.py"), "True"]  # the installed wheel's sources, header included
 
     engine = _tiny_engine(python, tmp_path)
     run_env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),  # a real first build, not left behind
@@ -82,6 +86,6 @@ def _source_tree(dest: Path) -> Path:
 def _tiny_engine(python: Path, tmp_path: Path) -> Path:
     """An int4 self-draft engine over a tiny random GGUF, built by the installed trtssd."""
     gguf_path = make_tiny_gguf(tmp_path / "Tiny.gguf")
-    out = _run([python, "-m", "trtssd.cli", "build", "--target", gguf_path, "--out", tmp_path / "engines"],
+    out = _run([python.parent / "trtssd", "build", "--target", gguf_path, "--out", tmp_path / "engines"],
                env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}, timeout=400)
     return Path(out.stdout.strip().splitlines()[-1])

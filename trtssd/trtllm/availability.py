@@ -14,7 +14,7 @@ from types import ModuleType
 
 PACKAGE = "tensorrt_llm"
 # The last TensorRT-LLM release with compiled engines and the engine Executor; also what the
-# Triton 25.12 TRT-LLM container ships (shared/design/TENSORRT_NOTES.md, section 0).
+# Triton 25.12 TRT-LLM container ships.
 RELEASE = "1.2.x"
 CONTAINER = "nvcr.io/nvidia/tensorrt-llm/release:1.2.1"
 

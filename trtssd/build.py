@@ -89,6 +89,9 @@ _TOKENIZER_KEYS = (
 TORCH_DTYPES = ("float32", "bfloat16")
 TARGET_DTYPES = (*TORCH_DTYPES, "int8")  # "int8": int8 projections with two activation levels
 DRAFT_DTYPES = ("int4", "int8", *TORCH_DTYPES)  # "int4": 4-bit groups from a GGUF; "int8": int8 projections
+# What runs both sides: "ggml" runs the GGUF files as they are on llama.cpp (the fast CPU engine);
+# "torch" is the reference engine (our model code; its dtypes above; the CUDA path).
+BACKENDS = ("ggml", "torch")
 # int8 activation levels per side (trtssd.models.int8_dynamic): the target defines the output, so
 # it takes ~14-bit activations; the draft only proposes, and one 7-bit level is cheaper.
 TARGET_INT8_LEVELS = 2
@@ -108,6 +111,7 @@ class Recipe:
     name: str  # engine directory name under out_dir
     target: Path  # GGUF file or Hugging Face directory of the target model
     draft: Path  # same for the draft (the target itself: self-draft)
+    backend: str = "torch"  # one of BACKENDS; "ggml" needs GGUF files and ignores the dtypes
     target_dtype: str = "float32"  # the target's compute dtype, or "int8" (it defines exactness)
     draft_dtype: str = "int4"  # "int4": 4-bit groups from a GGUF's weights; "int8"; else torch dtype
     plain_weights: bool = True  # fp32 linears keep plain weights next to oneDNN's (2x memory)
@@ -121,11 +125,18 @@ class Recipe:
             raise ValueError(f"engine name must be a plain directory name, got {self.name!r}")
         if not isinstance(self.head_top_k, int) or self.head_top_k < 0:
             raise ValueError(f"head_top_k must be a non-negative int, got {self.head_top_k!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == "ggml":
+            for role, path in (("target", self.target), ("draft", self.draft)):
+                if not is_gguf(path):
+                    raise ValueError(f"the ggml backend runs GGUF files; the {role} {path} is not a .gguf file "
+                                     "(build it with backend='torch')")
         if self.target_dtype not in TARGET_DTYPES:
             raise ValueError(f"target_dtype must be one of {TARGET_DTYPES}, got {self.target_dtype!r}")
         if self.draft_dtype not in DRAFT_DTYPES:
             raise ValueError(f"draft_dtype must be one of {DRAFT_DTYPES}, got {self.draft_dtype!r}")
-        if self.draft_dtype == "int4" and not is_gguf(self.draft):
+        if self.backend == "torch" and self.draft_dtype == "int4" and not is_gguf(self.draft):
             raise ValueError(f"the int4 draft is made from a GGUF's weights; {self.draft} is not a .gguf file "
                              f"(give draft_dtype={TORCH_DTYPES[0]!r} to run it by torch)")
         speculative_config({}, self.speculation, defaults_from=f"engine {self.name!r}")  # a bad value fails the build
@@ -164,6 +175,7 @@ def resolve_recipe(
     target_dtype: str | None = None,
     draft_dtype: str | None = None,
     plain_weights: bool | None = None,
+    backend: str | None = None,
 ) -> Recipe:
     """A named engine (``trtssd.models.catalog``; its models are fetched on first use), or a GGUF
     file / Hugging Face directory as the target → Recipe. ``draft``: another model as the draft
@@ -171,7 +183,9 @@ def resolve_recipe(
     engine directory name (default: the engine's name, or the target's file/directory stem,
     lower-cased). ``target_dtype`` (default: the named engine's, else "float32"), ``draft_dtype``
     (default: the named engine's; "int4" for a self-draft, else "float32") and ``plain_weights``
-    override the defaults."""
+    override the defaults. ``backend`` (one of BACKENDS, default "torch"): what runs both sides; a
+    ggml engine is named ``<name>-ggml`` by default, so it never replaces the torch engine of the
+    same models."""
     ref = str(name_or_ref)
     named = NAMED_ENGINES.get(ref)
     if named is not None:
@@ -188,14 +202,21 @@ def resolve_recipe(
         draft_path, default_draft_dtype = named.draft(), named.draft_dtype
     else:  # the target drafts for itself, in int4
         draft_path, default_draft_dtype = target, "int4"
+    backend = backend or "torch"
+    if backend == "ggml" and (target_dtype is not None or draft_dtype is not None):
+        raise ValueError("target_dtype and draft_dtype are torch-backend options; the ggml backend runs the "
+                         "GGUF files' own types")
+    if backend == "ggml":
+        default_name += "-ggml"
+    tuned = named.speculation.get(backend, {}) if named is not None and draft is None else {}
     return Recipe(
-        name or default_name, target, draft_path,
+        name or default_name, target, draft_path, backend=backend,
         target_dtype=target_dtype or (named.target_dtype if named is not None else "float32"),
         draft_dtype=draft_dtype or default_draft_dtype,
         plain_weights=plain_weights if plain_weights is not None else (named.plain_weights if named is not None else True),
         head_top_k=head_top_k,
-        # Tuned for the named pair: another draft gets SpeculativeConfig's own defaults.
-        speculation=dict(named.speculation) if named is not None and draft is None else {},
+        # Tuned for the named pair on this backend: another draft gets SpeculativeConfig's own defaults.
+        speculation=dict(tuned),
     )
 
 
@@ -383,6 +404,7 @@ def _place_model(source: Path, stage: Path, gguf_rel: str, dir_rel: str) -> str:
 def _fingerprint(recipe: Recipe, target_sha: str, draft_sha: str) -> dict:
     return {
         "format_version": FORMAT_VERSION,
+        "backend": recipe.backend,
         "target_sha256": target_sha,
         "draft_source_sha256": draft_sha,
         "head_top_k": recipe.head_top_k,
@@ -417,6 +439,7 @@ def build_engine(
     target_dtype: str | None = None,
     draft_dtype: str | None = None,
     plain_weights: bool | None = None,
+    backend: str | None = None,
     force: bool = False,
     progress: bool = True,
 ) -> Path:
@@ -430,7 +453,8 @@ def build_engine(
     """
     start = time.perf_counter()
     recipe = resolve_recipe(name_or_ref, draft=draft, name=name, head_top_k=head_top_k,
-                            target_dtype=target_dtype, draft_dtype=draft_dtype, plain_weights=plain_weights)
+                            target_dtype=target_dtype, draft_dtype=draft_dtype, plain_weights=plain_weights,
+                            backend=backend)
     out = Path(out_dir) if out_dir is not None else default_engines_dir()
     engine = out / recipe.name
     target_sha = source_sha256(recipe.target)
@@ -465,12 +489,16 @@ def _build(recipe: Recipe, engine: Path, fingerprint: dict, progress: bool) -> N
     # Built in a staging directory and moved into place: a failed build leaves no half engine.
     stage = Path(tempfile.mkdtemp(dir=engine.parent, prefix=f".{recipe.name}.build-"))
     try:
-        log.info("building engine %s from %s (draft: %s, %s)", recipe.name, recipe.target, recipe.draft,
-                 recipe.draft_dtype)
+        log.info("building engine %s from %s (draft: %s; %s)", recipe.name, recipe.target, recipe.draft,
+                 "ggml" if recipe.backend == "ggml" else f"torch, draft {recipe.draft_dtype}")
         target = _target_entry(recipe, _place_model(recipe.target, stage, TARGET_FILE, TARGET_DIR))
-        if recipe.target_dtype == "int8":
+        if recipe.backend == "ggml":
+            draft = _ggml_entry(TARGET_FILE if recipe.self_draft else _place_model(recipe.draft, stage, DRAFT_GGUF, DRAFT_DIR))
+        elif recipe.target_dtype == "int8":
             _write_int8(recipe.target, stage / TARGET_INT8, "target", progress)
-        if recipe.draft_dtype == "int4":
+        if recipe.backend == "ggml":
+            pass
+        elif recipe.draft_dtype == "int4":
             draft = _int4_draft_entry(recipe, _write_draft(recipe.draft, stage / DRAFT_FILE, progress))
         elif recipe.draft_dtype == "int8":
             draft = _int8_draft_entry(recipe, _place_model(recipe.draft, stage, DRAFT_GGUF, DRAFT_DIR))
@@ -488,7 +516,7 @@ def _build(recipe: Recipe, engine: Path, fingerprint: dict, progress: bool) -> N
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    if recipe.draft_dtype in ("int4", "int8"):
+    if recipe.backend == "torch" and recipe.draft_dtype in ("int4", "int8"):
         _prepare_compiled_layers()
 
 
@@ -557,7 +585,21 @@ def _write_int8(source: Path, dest: Path, side: str, progress: bool) -> None:
     save_file(tensors, str(dest), metadata={"format_version": str(FORMAT_VERSION)})
 
 
+def _ggml_entry(path: str) -> dict:
+    """Manifest entry of a side that llama.cpp runs from its GGUF file as it is."""
+    return {
+        "backend": "ggml",
+        "path": path,
+        "format": "gguf",
+        "weights": "the GGUF file's own tensor types, memory-mapped by llama.cpp (nothing converted)",
+        "execution": "llama.cpp through llama-cpp-python (trtssd/backends/ggml_backend.py): flash attention, "
+                     "no weight repacking, one sequence id per tree branch",
+    }
+
+
 def _target_entry(recipe: Recipe, path: str) -> dict:
+    if recipe.backend == "ggml":
+        return _ggml_entry(path)
     if recipe.target_dtype == "int8":
         return _int8_entry(_torch_side(path, TORCH_DTYPES[0], recipe.plain_weights), TARGET_INT8_LEVELS, TARGET_INT8)
     return _torch_side(path, recipe.target_dtype, recipe.plain_weights)
@@ -624,7 +666,8 @@ def _manifest(recipe: Recipe, fingerprint: dict, target_cfg: ModelConfig, target
         "draft": draft,
         "speculation": dict(recipe.speculation),
         "build": {
-            "recipe": {"name": recipe.name, "target": str(recipe.target), "draft": str(recipe.draft),
+            "recipe": {"name": recipe.name, "backend": recipe.backend, "target": str(recipe.target),
+                       "draft": str(recipe.draft),
                        "target_dtype": recipe.target_dtype, "draft_dtype": recipe.draft_dtype},
             "fingerprint": fingerprint,
             "outputs": {rel: file_sha256(stage / rel) for rel in outputs},

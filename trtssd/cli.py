@@ -223,6 +223,7 @@ def _build(args: argparse.Namespace) -> int:
             args.target or args.engine or DEFAULT_ENGINE, args.out, draft=args.draft, name=args.name,
             target_dtype=args.target_dtype, draft_dtype=args.draft_dtype,
             plain_weights=False if args.packed_only else None, force=args.force,
+            backend="ggml" if args.backend == "ggml" else None,
         )
     except (FileNotFoundError, SplitFileError) as err:  # said as a usage error, without a traceback
         raise ValueError(str(err)) from err
@@ -284,8 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp32 linears without their plain copy: half the memory, single rows through oneDNN too")
     b.add_argument("--force", action="store_true", help="rebuild even when up to date")
     b.add_argument("--out", default=None, help="engines directory (default: ./engines)")
-    b.add_argument("--backend", choices=["torch", "trtllm"], default="torch",
-                   help="trtllm: TensorRT-LLM 1.2.x engines in <out>/<name>.trtllm/ from the torch engine's models "
+    b.add_argument("--backend", choices=["torch", "ggml", "trtllm"], default="torch",
+                   help="ggml: both sides run their GGUF files as they are on llama.cpp (engine <name>-ggml; "
+                   "CPU); trtllm: TensorRT-LLM 1.2.x engines in <out>/<name>.trtllm/ from the torch engine's models "
                    "(commands written to build.sh there, run when tensorrt_llm is importable; unverified)")
     b.add_argument("--k", type=int, default=None, help="with --backend trtllm: the target's --max_draft_len "
                    "(default: the lookahead, 5)")

@@ -191,10 +191,15 @@ class ModelRef:
     path: str  # engine directory, Hugging Face directory (config.json + safetensors) or .gguf file
     side: str = "target"  # for engine directories: which model, "target" or "draft"
     dtype: str = "float32"  # compute dtype of the torch backend ("float32" or "bfloat16")
+    backend: str = "torch"  # for a .gguf file: "torch" (the reference engine) or "ggml" (llama.cpp, as it is)
 
     def __post_init__(self) -> None:
         if self.side not in ("target", "draft"):
             raise ValueError(f"side must be 'target' or 'draft'; got {self.side!r}")
+        if self.backend not in ("torch", "ggml"):
+            raise ValueError(f"backend must be 'torch' or 'ggml'; got {self.backend!r}")
+        if self.backend == "ggml" and not str(self.path).endswith(".gguf"):
+            raise ValueError(f"backend 'ggml' runs a .gguf file; got path {self.path!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16'; got {self.dtype!r}")
 

@@ -83,3 +83,38 @@ class Executor(Protocol):
         The draft uses it to turn a tree branch's scratch slots into the sequence's chain
         instead of decoding those tokens again (the KV depends only on token, logical position
         and what the token saw, all unchanged)."""
+
+
+def check_chunk(c: Chunk, committed: int, max_seq_len: int, vocab_size: int) -> tuple[int, int]:
+    """Validate one chunk against its sequence's committed length; returns (n tokens, highest
+    slot + 1). Every executor checks its inputs with this one function."""
+    where = f"chunk of seq {c.seq_id}"
+    for name in ("tokens", "positions", "slots"):
+        t = getattr(c, name)
+        if t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise ValueError(f"{where}: {name} must be an integer tensor, got {t.dtype}")
+    if c.tokens.dim() != 1 or c.tokens.numel() == 0:
+        raise ValueError(f"{where}: tokens must be a non-empty 1-D tensor, got shape {tuple(c.tokens.shape)}")
+    n = c.tokens.numel()
+    if tuple(c.positions.shape) != (n,) or tuple(c.slots.shape) != (n,):
+        raise ValueError(f"{where}: positions and slots must have shape ({n},), got "
+                         f"{tuple(c.positions.shape)} and {tuple(c.slots.shape)}")
+    if c.mask.dtype != torch.bool or c.mask.dim() != 2 or c.mask.shape[0] != n or c.mask.shape[1] < 1:
+        raise ValueError(f"{where}: mask must be bool [{n}, R>=1], got {c.mask.dtype} {tuple(c.mask.shape)}")
+    region = c.mask.shape[1]
+    if committed + region > max_seq_len:
+        raise CapacityError(f"{where}: region ends at slot {committed + region} > max_seq_len {max_seq_len}")
+    lo, hi = int(c.slots.min()), int(c.slots.max())
+    if lo < committed or hi >= committed + region:
+        raise ValueError(f"{where}: slots must lie in the region [{committed}, {committed + region}), "
+                         f"got [{lo}, {hi}]")
+    if torch.unique(c.slots).numel() != n:
+        raise ValueError(f"{where}: two tokens write the same slot")
+    own = (c.slots.to(device=c.mask.device, dtype=torch.long) - committed)[:, None]
+    if not bool(c.mask.gather(1, own).all()):
+        raise ValueError(f"{where}: every token's mask must include its own slot")
+    if int(c.positions.min()) < 0:
+        raise ValueError(f"{where}: positions must be >= 0")
+    if int(c.tokens.min()) < 0 or int(c.tokens.max()) >= vocab_size:
+        raise ValueError(f"{where}: token ids must be in [0, {vocab_size})")
+    return n, hi + 1

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from trtssd.backends.ggml_backend import GgmlExecutor
 from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.config import ModelRef
 from trtssd.devices import resolve_device
@@ -26,11 +27,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def load_executor(ref: ModelRef, max_seqs: int, max_seq_len: int, max_batch_tokens: int | None = None,
-                  device: str = "cpu", device_field: str = "device") -> TorchExecutor:
+                  device: str = "cpu", device_field: str = "device") -> TorchExecutor | GgmlExecutor:
     """max_batch_tokens: most tokens in one forward (a prefill, or a batch's verify/glue/tree).
     device: "cpu", "cuda" or "cuda:N" (weights, KV pool and forwards there); ``device_field``
     names the option it came from in errors (e.g. "draft_device")."""
     dev = resolve_device(device, device_field)
+    if ref.backend == "ggml":
+        return _ggml_executor(ref.path, dev, device_field, max_seqs=max_seqs, max_seq_len=max_seq_len,
+                              max_batch_tokens=max_batch_tokens)
     if is_engine_dir(ref.path):
         return load_side(ref.path, ref.side, max_seqs=max_seqs, max_seq_len=max_seq_len,
                          max_batch_tokens=max_batch_tokens, device=dev)
@@ -42,8 +46,9 @@ def load_executor(ref: ModelRef, max_seqs: int, max_seq_len: int, max_batch_toke
 
 
 def load_side(engine_dir: str | os.PathLike, side: str, *, max_seqs: int = 4, max_seq_len: int = 2048,
-              fused: bool = True, device: str | torch.device = "cpu", **executor_options) -> TorchExecutor:
-    """One side's executor, as the engine's manifest says it runs: "torch" (the model's own
+              fused: bool = True, device: str | torch.device = "cpu", **executor_options) -> TorchExecutor | GgmlExecutor:
+    """One side's executor, as the engine's manifest says it runs: "ggml" (the GGUF file on
+    llama.cpp, CPU only), "torch" (the model's own
     weights in the recorded dtype; the target always), "torch-int4" (the int4 self-draft, with
     the compiled few-row layers unless ``fused`` is False; on CUDA its 4-bit groups dequantized,
     see ``load_draft_model``) or "torch-int8" (either side: int8 projections, the entry's
@@ -54,6 +59,9 @@ def load_side(engine_dir: str | os.PathLike, side: str, *, max_seqs: int = 4, ma
     if side not in ("target", "draft"):
         raise ValueError(f"side must be 'target' or 'draft', got {side!r}")
     entry = manifest[side]
+    if entry["backend"] == "ggml":
+        return _ggml_executor(engine_dir / entry["path"], device, "device", max_seqs=max_seqs,
+                              max_seq_len=max_seq_len, **executor_options)
     if entry["backend"] == "torch":
         return TorchExecutor.from_pretrained(
             engine_dir / entry["path"], dtype=_DTYPES[entry.get("dtype", "float32")],
@@ -70,6 +78,17 @@ def load_side(engine_dir: str | os.PathLike, side: str, *, max_seqs: int = 4, ma
         model = load_draft_model(engine_dir, manifest, fused=fused and device.type == "cpu", device=device)
         return TorchExecutor(model, max_seqs=max_seqs, max_seq_len=max_seq_len, **executor_options)
     raise ValueError(f"{engine_dir}: unknown {side} backend {entry['backend']!r}; rebuild the engine")
+
+
+def _ggml_executor(path, device: torch.device, device_field: str, **options) -> GgmlExecutor:
+    """llama.cpp on the CPU (this build of llama-cpp-python has no GPU backend)."""
+    if device.type != "cpu":
+        raise ValueError(f"{device_field}: the ggml backend runs on 'cpu' here, got {str(device)!r}; "
+                         "build the engine with backend 'torch' for CUDA")
+    unknown = sorted(set(options) - {"max_seqs", "max_seq_len", "max_batch_tokens"})
+    if unknown:
+        raise ValueError(f"{unknown} are torch-backend options; the ggml backend does not take them")
+    return GgmlExecutor(path, **options)
 
 
 def _int8_model(engine_dir: Path, manifest: dict, side: str, device: torch.device, fused: bool):

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from trtssd.backends.base import CapacityError, Chunk
+from trtssd.backends.base import CapacityError, Chunk, check_chunk
 from trtssd.models.config import ModelConfig
 from trtssd.models.llama import AttentionBatch, Linear, LlamaModel
 from trtssd.models.loader import load_model
@@ -286,41 +286,6 @@ class TorchExecutor:
 
     # -- forward -----------------------------------------------------------------------------
 
-    def _check_chunk(self, c: Chunk, seq: _Sequence) -> tuple[int, int]:
-        """Validate one chunk against its sequence; returns (n tokens, highest slot + 1)."""
-        where = f"chunk of seq {c.seq_id}"
-        for name in ("tokens", "positions", "slots"):
-            t = getattr(c, name)
-            if t.dtype.is_floating_point or t.dtype == torch.bool:
-                raise ValueError(f"{where}: {name} must be an integer tensor, got {t.dtype}")
-        if c.tokens.dim() != 1 or c.tokens.numel() == 0:
-            raise ValueError(f"{where}: tokens must be a non-empty 1-D tensor, got shape {tuple(c.tokens.shape)}")
-        n = c.tokens.numel()
-        if tuple(c.positions.shape) != (n,) or tuple(c.slots.shape) != (n,):
-            raise ValueError(f"{where}: positions and slots must have shape ({n},), got "
-                             f"{tuple(c.positions.shape)} and {tuple(c.slots.shape)}")
-        if c.mask.dtype != torch.bool or c.mask.dim() != 2 or c.mask.shape[0] != n or c.mask.shape[1] < 1:
-            raise ValueError(f"{where}: mask must be bool [{n}, R>=1], got {c.mask.dtype} {tuple(c.mask.shape)}")
-        region = c.mask.shape[1]
-        if seq.committed + region > self.max_seq_len:
-            raise CapacityError(
-                f"{where}: region ends at slot {seq.committed + region} > max_seq_len {self.max_seq_len}"
-            )
-        lo, hi = int(c.slots.min()), int(c.slots.max())
-        if lo < seq.committed or hi >= seq.committed + region:
-            raise ValueError(f"{where}: slots must lie in the region [{seq.committed}, {seq.committed + region}), "
-                             f"got [{lo}, {hi}]")
-        if torch.unique(c.slots).numel() != n:
-            raise ValueError(f"{where}: two tokens write the same slot")
-        own = (c.slots.to(device=c.mask.device, dtype=torch.long) - seq.committed)[:, None]
-        if not bool(c.mask.gather(1, own).all()):
-            raise ValueError(f"{where}: every token's mask must include its own slot")
-        if int(c.positions.min()) < 0:
-            raise ValueError(f"{where}: positions must be >= 0")
-        if int(c.tokens.min()) < 0 or int(c.tokens.max()) >= self.vocab_size:
-            raise ValueError(f"{where}: token ids must be in [0, {self.vocab_size})")
-        return n, hi + 1
-
     def forward(self, chunks: Sequence[Chunk]) -> list[torch.Tensor]:
         if not chunks:
             return []
@@ -330,7 +295,7 @@ class TorchExecutor:
             if any(s is seq for s in seqs):
                 raise ValueError(f"seq {c.seq_id} appears in more than one chunk of this forward")
             seqs.append(seq)
-        checked = [self._check_chunk(c, s) for c, s in zip(chunks, seqs)]
+        checked = [check_chunk(c, s.committed, self.max_seq_len, self.vocab_size) for c, s in zip(chunks, seqs)]
         lens = [n for n, _ in checked]
         total = sum(lens)
         if total > self.max_batch_tokens:

@@ -88,7 +88,9 @@ class NamedEngine:
     # fp32 linears keep their plain weights (MKL's GEMV for single rows) next to oneDNN's packed
     # copy; False halves their memory.
     plain_weights: bool = True
-    speculation: Mapping[str, Any] = field(default_factory=dict)  # tuned SpeculativeConfig defaults (K, fan-out budget)
+    # Tuned SpeculativeConfig defaults (K, fan-out budget) per backend ("ggml", "torch"): measured
+    # for this pair on that engine; a backend without an entry takes SpeculativeConfig's own.
+    speculation: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
 DEFAULT_ENGINE = "smollm2-135m"
@@ -104,7 +106,7 @@ NAMED_ENGINES = {
             DEFAULT_ENGINE,
             "SmolLM2-135M-Instruct (Q4_1) in fp32, drafted by its own weights in int4",
             target=ensure_smollm2_gguf,
-            speculation={"k": 7},
+            speculation={"torch": {"k": 7}},
         ),
         # Target int8 (two activation levels), docs/draft.md and docs/bench/int8-target/: one token
         # 219-271 ms against fp32's 541, six 387 against 1202, at a KL of 0.0024 from fp32 (top-1
@@ -119,7 +121,7 @@ NAMED_ENGINES = {
             family="qwen2",
             target_dtype="int8",
             draft_dtype="int8",
-            speculation={"k": 3},
+            speculation={"torch": {"k": 3}},
             # Built with --target-dtype float32: linears oneDNN-packed only (a 6-token verify 2.2x
             # faster than MKL, a single row ~12% slower, half the memory: 6 GB for the target).
             plain_weights=False,

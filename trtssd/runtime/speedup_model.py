@@ -290,8 +290,20 @@ def time_forwards(executor: Executor, max_rows: int = 64, context: int = 128, re
 def middle_tree_step(seq_id: int, context: int, k: int, branches: int) -> Chunk:
     """A tree step of ``branches`` forks spread over the depths, after a ``context``-token prefix:
     the middle step, whose mask is of average width."""
-    layout = TreeLayout(seq_id, context, k, torch.arange(branches) % (k + 1), torch.ones(branches, dtype=torch.long))
-    return layout.step_chunk((k - 1) // 2, torch.ones(branches, dtype=torch.long))
+    return _tree_layout(seq_id, context, k, branches).step_chunk((k - 1) // 2, torch.ones(branches, dtype=torch.long))
+
+
+def _tree_layout(seq_id: int, context: int, k: int, branches: int) -> TreeLayout:
+    return TreeLayout(seq_id, context, k, torch.arange(branches) % (k + 1), torch.ones(branches, dtype=torch.long))
+
+
+def _write_tree_before_middle(executor: Executor, seq_id: int, context: int, k: int, branches: int) -> None:
+    """Write the glue and the tree steps before the middle one, so the middle step sees written
+    KV (an engine that owns its cache, such as llama.cpp, refuses to attend to unwritten slots)."""
+    layout = _tree_layout(seq_id, context, k, branches)
+    executor.forward([chain_chunk(seq_id, [1] * (k + 1), context)])
+    for step in range((k - 1) // 2):
+        executor.forward([layout.step_chunk(step, torch.ones(branches, dtype=torch.long))])
 
 
 def time_tree_steps(executor: Executor, k: int, max_branches: int = 64, context: int = 128,
@@ -304,7 +316,11 @@ def time_tree_steps(executor: Executor, k: int, max_branches: int = 64, context:
     _check_k(k)
     context, sizes = _timing_sizes(executor, max_branches, context, lambda branches: k + 1 + k * branches)
     with scratch_sequences(executor, 1, context) as (sid,):
-        return {n: time_forward(executor, [middle_tree_step(sid, context, k, n)], repeats) for n in sizes}
+        times = {}
+        for n in sizes:
+            _write_tree_before_middle(executor, sid, context, k, n)
+            times[n] = time_forward(executor, [middle_tree_step(sid, context, k, n)], repeats)
+        return times
 
 
 def _timing_sizes(executor: Executor, most: int, context: int, slots) -> tuple[int, list[int]]:

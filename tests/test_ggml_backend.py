@@ -1,0 +1,124 @@
+"""The ggml executor (llama.cpp): rows bit-identical alone, in a verify chain, beside other
+sequences and on tree lanes (what greedy exactness of sd/ssd against ar needs, checked so that a
+llama.cpp upgrade that breaks it fails here), and sd/ssd output equal to ar on a ggml engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("llama_cpp")
+
+from trtssd import LLM, SamplingParams  # noqa: E402
+from trtssd.backends.base import Chunk, chain_chunk  # noqa: E402
+from trtssd.backends.ggml_backend import GgmlExecutor  # noqa: E402
+from trtssd.build import build_engine  # noqa: E402
+from trtssd.config import ModelRef  # noqa: E402
+from trtssd.spec_decode.tree import TreeLayout, append_chunk  # noqa: E402
+
+from ggml_models import write_tiny_gguf  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf():
+    from trtssd.models.smollm2 import ensure_smollm2_gguf
+
+    return ensure_smollm2_gguf()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", tensor_type="q8_0", scale=0.3)
+
+
+def _ar_logits(ex: GgmlExecutor, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Plain greedy decoding one token per forward: the tokens and each step's logits."""
+    ex.add_sequence(0)
+    logits = ex.forward([chain_chunk(0, prompt, 0, last_logits_only=True)])[0][-1]
+    ex.commit(0, len(prompt))
+    tokens, rows = [], []
+    for _ in range(steps):
+        tokens.append(int(logits.argmax()))
+        logits = ex.forward([chain_chunk(0, tokens[-1:], ex.committed(0))])[0][-1]
+        ex.commit(0, 1)
+        rows.append(logits)
+    ex.release(0)
+    return tokens, rows
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_bit_identical_in_verify_batch_and_tree(smollm2_gguf, threads):
+    ex = GgmlExecutor(smollm2_gguf, max_seqs=4, max_seq_len=256, threads=threads)
+    prompt = list(range(100, 140))
+    n = len(prompt)
+    seq, ref = _ar_logits(ex, prompt, 14)
+    ex.add_sequence(1)
+    ex.add_sequence(2)
+    ex.forward([chain_chunk(2, list(range(300, 333)), 0, last_logits_only=True)])
+    ex.commit(2, 33)
+    ex.forward([chain_chunk(1, prompt, 0, last_logits_only=True)])
+    ex.commit(1, n)
+    # a verify chain beside another sequence's rows
+    out = ex.forward([chain_chunk(1, seq[:6], n), chain_chunk(2, [5, 6, 7], 33)])[0]
+    assert torch.equal(out, torch.stack(ref[:6]))
+    # rejection: keep 2, verify again over the discarded cells
+    ex.commit(1, 2)
+    out = ex.forward([chain_chunk(1, seq[2:8], n + 2)])[0]
+    assert torch.equal(out, torch.stack(ref[2:8]))
+    ex.commit(1, 6)
+    # glue, then tree branches leaving it at every depth (lanes sharing the glue cells)
+    k, c = 3, ex.committed(1)
+    glue = ex.forward([chain_chunk(1, seq[8:12], c)])[0]
+    assert torch.equal(glue, torch.stack(ref[8:12]))
+    layout = TreeLayout(1, c, k, torch.arange(4), torch.tensor(seq[9:13]))
+    step0 = ex.forward([layout.step_chunk(0, layout.fork_token)])[0]
+    assert torch.equal(step0, torch.stack(ref[9:13]))
+    # a hit on the branch after depth 0: its cells become the chain, only the next token is new
+    step1 = ex.forward([layout.step_chunk(1, step0.argmax(-1))])[0]
+    ex.commit(1, 1)
+    c2 = ex.committed(1)
+    ex.copy_slots(1, layout.committed + layout.glue_len + torch.arange(2) * 4, c2 + torch.arange(2))
+    out = ex.forward([append_chunk(1, c2, [int(step1[0].argmax())], 2)])[0]
+    # Not bit-identical: the new token lands in a cell freed below the branch's cells, and CPU
+    # flash attention sums in cell order. Only the draft adopts branches; its rows need not be exact.
+    assert int(out[0].argmax()) == int(ref[11].argmax())
+    ex.release(1)
+    ex.release(2)
+    assert len(ex._free_lanes) == 256  # every lane back
+
+
+def test_non_tree_mask_is_refused(tiny_gguf):
+    ex = GgmlExecutor(tiny_gguf, max_seqs=1, max_seq_len=64, threads=1)
+    ex.add_sequence(0)
+    ex.forward([chain_chunk(0, [1, 2, 3], 0)])
+    ex.commit(0, 1)
+    gap = Chunk(0, torch.tensor([4]), torch.tensor([5]), torch.tensor([1]), torch.ones(1, 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match="continue the position"):
+        ex.forward([gap])
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_tiny_gguf_greedy_equals_ar(tiny_gguf, mode):
+    ref = ModelRef(str(tiny_gguf), backend="ggml")
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [300, 301, 302, 303, 304], [40]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(target=ref, draft=ref, mode="ar", launch="local", max_batch=4, max_seq_len=128) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, params)]
+    with LLM(target=ref, draft=ref, mode=mode, launch="local", k=3, max_batch=4, max_seq_len=128,
+             plain_under_load=False) as llm:
+        batch4 = [o.token_ids for o in llm.generate(prompts, params)]
+        batch1 = [llm.generate([p], params)[0].token_ids for p in prompts[:2]]
+    assert batch4 == expected and batch1 == expected[:2]
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_default_engine_on_ggml_greedy_equals_ar(tmp_path):
+    engine = build_engine(out_dir=tmp_path, backend="ggml", progress=False)
+    prompts = ["def fibonacci(n):", "Write a haiku about the sea.", "The capital of France is", "import os\n"]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    outs = {}
+    for mode in ("ar", "sd", "ssd"):
+        with LLM(str(engine), mode=mode, max_batch=4, max_seq_len=256, plain_under_load=False) as llm:
+            outs[mode] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs["sd"] == outs["ar"] and outs["ssd"] == outs["ar"]

@@ -1,0 +1,419 @@
+"""GgmlExecutor: the Executor protocol (trtssd/backends/base.py) on llama.cpp, through
+llama-cpp-python's low-level API.
+
+The GGUF file runs as it is (mmap, llama.cpp's own kernels): no dequantizing, nothing rebuilt at
+load. llama.cpp owns its KV cache, so the protocol's storage slots and region masks are realised
+with its *sequence ids*: a token attends to the cells that carry the sequence id it is written
+with (causally, by position), and a cell may carry several ids. We call a sequence id a **lane**.
+
+- A trtssd sequence has a *base* lane that holds its committed prefix, and more lanes while its
+  region holds a tree: a tree branch is a lane that shares the prefix and the glue tokens it
+  continues (``llama_memory_seq_cp`` adds ids to cells, copying nothing) and holds its own
+  tree tokens.
+- Each written token becomes a *cell*. Every token of a forward is written on the lane whose
+  cells are exactly what its mask lets it see; when no lane holds that set, a new lane is made
+  from the base lane's prefix plus the visible cells. So any tree-shaped mask works, and a
+  token never sees what its mask hides.
+- ``copy_slots`` makes slots name the same cells (no KV is copied, no token is decoded again);
+  ``commit`` makes the base lane hold the committed cells; a cell no slot names any more is
+  removed from every lane (llama.cpp then frees it).
+
+Exactness needs a row's logits to be the same alone, inside a verify chain, inside a batch of
+other sequences and on a tree lane. With flash attention on, llama.cpp's CPU kernels give
+bit-identical rows in all these cases (tests/test_ggml_backend.py checks it, so an upgrade that
+breaks it fails loudly); without it they do not. Weight repacking is off for the same reason
+(its kernels differ between one row and several).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from trtssd.backends.base import CapacityError, Chunk, check_chunk
+
+log = logging.getLogger(__name__)
+
+MAX_LANES = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence ids per context
+_FLASH_ATTN_ENABLED = 1  # llama_flash_attn_type: LLAMA_FLASH_ATTN_TYPE_ENABLED
+_MIN_CELLS = 1024
+_UBATCH = 512  # tokens per llama.cpp micro-batch (its compute buffer is sized for it)
+
+_init_lock = threading.Lock()
+_initialized = False
+_log_callback = None  # kept referenced: llama.cpp calls it from C
+_quiet = [None]  # a load-progress callback that prints nothing (the default prints dots to stderr)
+
+
+def _llama():
+    """llama_cpp, initialised once per process with its log routed to ``logging``."""
+    global _initialized, _log_callback
+    import llama_cpp
+
+    with _init_lock:
+        if not _initialized:
+            llama_cpp.llama_backend_init()
+            ggml_log = logging.getLogger("llama.cpp")
+
+            def forward_log(level: int, text: bytes, _user) -> None:
+                if level >= 4:  # GGML_LOG_LEVEL_ERROR
+                    ggml_log.error(text.decode(errors="replace").rstrip())
+                else:
+                    ggml_log.debug(text.decode(errors="replace").rstrip())
+
+            _log_callback = llama_cpp.llama_log_callback(forward_log)
+            _quiet[0] = llama_cpp.llama_progress_callback(lambda _progress, _user: True)
+            llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+            _initialized = True
+    return llama_cpp
+
+
+@dataclass(eq=False)
+class _Cell:
+    """One written token's KV in llama.cpp's cache."""
+
+    pos: int
+    lanes: set[int] = field(default_factory=set)  # lane ids whose copy of the cache holds it
+    refs: int = 0  # slots that name it
+
+
+@dataclass(eq=False)
+class _Lane:
+    """One llama.cpp sequence id: the first ``prefix`` committed cells of its sequence, and
+    ``region`` (position -> cell) past them."""
+
+    id: int
+    prefix: int = 0
+    region: dict[int, _Cell] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _Sequence:
+    base: _Lane
+    committed: int = 0
+    prefix: list[_Cell] = field(default_factory=list)  # committed cells, by position
+    slots: dict[int, _Cell] = field(default_factory=dict)  # region slot -> cell
+    lanes: list[_Lane] = field(default_factory=list)  # base first
+
+
+class GgmlExecutor:
+    """Runs a GGUF model on llama.cpp for the runtime: prefill, K+1 verification, glue and tree."""
+
+    def __init__(self, path: str | Path, *, max_seqs: int = 4, max_seq_len: int = 2048,
+                 max_batch_tokens: int | None = None, threads: int | None = None):
+        """path: a GGUF file. max_seqs: concurrent sequences. max_seq_len: slots per sequence
+        (prompt + output + region); the cache holds max_seqs x max_seq_len cells. max_batch_tokens:
+        most tokens in one forward (default max_seq_len). threads: llama.cpp threads (default:
+        torch's thread count, which the rank's pinning sets)."""
+        for name, value in (("max_seqs", max_seqs), ("max_seq_len", max_seq_len)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        max_batch_tokens = max_seq_len if max_batch_tokens is None else max_batch_tokens
+        if not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be a positive int, got {max_batch_tokens!r}")
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {self.path}")
+        self._L = L = _llama()
+        self.max_seqs, self.max_seq_len, self.max_batch_tokens = max_seqs, max_seq_len, max_batch_tokens
+        self.threads = threads or torch.get_num_threads()
+        mparams = L.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        mparams.use_extra_bufts = False  # no repacking: its kernels make a row depend on its batch
+        mparams.progress_callback = _quiet[0]
+        self._model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not self._model:
+            raise ValueError(f"llama.cpp could not load {self.path}")
+        self.vocab_size = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self._model))
+        trained = L.llama_model_n_ctx_train(self._model)
+        if max_seq_len > trained:
+            log.warning("max_seq_len %d exceeds the model's trained context %d", max_seq_len, trained)
+        cparams = L.llama_context_default_params()
+        # At least _MIN_CELLS: llama.cpp 0.3.36 crashed making a context of 256 cells with 256 sequence ids.
+        cparams.n_ctx = max(max_seqs * max_seq_len, _MIN_CELLS)
+        # llama.cpp 0.3.36 crashed making contexts whose micro-batch was smaller than its sequence ids.
+        cparams.n_batch = max(max_batch_tokens, _UBATCH)
+        cparams.n_ubatch = _UBATCH
+        cparams.n_seq_max = MAX_LANES
+        cparams.kv_unified = True  # one cell pool: lanes share cells instead of copying them
+        cparams.flash_attn_type = _FLASH_ATTN_ENABLED
+        cparams.n_threads = cparams.n_threads_batch = self.threads
+        cparams.no_perf = True
+        self._ctx = L.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            L.llama_model_free(self._model)
+            raise CapacityError(f"llama.cpp could not make a context of {cparams.n_ctx} cells for {self.path}")
+        self._memory = L.llama_get_memory(self._ctx)
+        self._batch = L.llama_batch_init(cparams.n_batch, 0, 1)
+        self._free_lanes = list(range(MAX_LANES))
+        self._seqs: dict[int, _Sequence] = {}
+        log.info("GgmlExecutor %s: %d threads, %d cells, vocab %d", self.path.name, self.threads,
+                 cparams.n_ctx, self.vocab_size)
+
+    def close(self) -> None:
+        """Free llama.cpp's context and model (also done at garbage collection)."""
+        if getattr(self, "_ctx", None):
+            self._L.llama_batch_free(self._batch)
+            self._L.llama_free(self._ctx)
+            self._L.llama_model_free(self._model)
+            self._ctx = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def set_threads(self, threads: int) -> None:
+        """Threads for the next forwards (load control lends the target the draft's cores)."""
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be a positive int, got {threads!r}")
+        self.threads = threads
+        self._L.llama_set_n_threads(self._ctx, threads, threads)
+
+    # -- sequences ---------------------------------------------------------------------------
+
+    def add_sequence(self, seq_id: int) -> None:
+        if seq_id in self._seqs:
+            raise ValueError(f"seq_id {seq_id} is already active")
+        if len(self._seqs) >= self.max_seqs:
+            raise CapacityError(f"all {self.max_seqs} sequences are in use (max_seqs={self.max_seqs})")
+        base = self._new_lane()
+        self._seqs[seq_id] = _Sequence(base=base, lanes=[base])
+
+    def release(self, seq_id: int) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None:
+            for lane in seq.lanes:
+                self._free_lane(lane)
+
+    def committed(self, seq_id: int) -> int:
+        return self._seq(seq_id).committed
+
+    def commit(self, seq_id: int, n_tokens: int) -> None:
+        seq = self._seq(seq_id)
+        if not isinstance(n_tokens, int) or n_tokens < 0:
+            raise ValueError(f"n_tokens must be a non-negative int, got {n_tokens!r}")
+        for slot in range(seq.committed, seq.committed + n_tokens):
+            cell = seq.slots.get(slot)
+            if cell is None:
+                raise ValueError(f"seq {seq_id}: cannot commit {n_tokens} tokens at {seq.committed}: "
+                                 f"slot {slot} was not written")
+            if cell.pos != slot:
+                raise ValueError(f"seq {seq_id}: slot {slot} holds position {cell.pos}; committed "
+                                 "tokens must sit at their own positions")
+        for slot in range(seq.committed, seq.committed + n_tokens):
+            cell = seq.slots.pop(slot)
+            self._hold(seq.base, cell)
+            seq.prefix.append(cell)
+        seq.committed += n_tokens
+        self._settle_lanes(seq)
+
+    def copy_slots(self, seq_id: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Slots ``dst`` name the cells of slots ``src``: the same KV, nothing recomputed."""
+        seq = self._seq(seq_id)
+        src = torch.as_tensor(src).reshape(-1).tolist()
+        dst = torch.as_tensor(dst).reshape(-1).tolist()
+        if len(src) != len(dst):
+            raise ValueError(f"src and dst must have one length, got {len(src)} and {len(dst)}")
+        if len(set(dst)) != len(dst):
+            raise ValueError(f"seq {seq_id}: dst slots must be distinct")
+        missing = [s for s in src if s not in seq.slots]
+        if missing:
+            raise ValueError(f"seq {seq_id}: src slots {missing} are not written region slots")
+        if any(d < seq.committed or d >= self.max_seq_len for d in dst):
+            raise ValueError(f"seq {seq_id}: dst slots must lie in [{seq.committed}, {self.max_seq_len})")
+        cells = [seq.slots[s] for s in src]  # gathered before any is overwritten
+        for cell in cells:
+            cell.refs += 1
+        for d in dst:
+            self._drop_slot(seq, d)
+        for d, cell in zip(dst, cells):
+            seq.slots[d] = cell
+        self._settle_lanes(seq)
+
+    def _seq(self, seq_id: int) -> _Sequence:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise ValueError(f"unknown seq_id {seq_id}; call add_sequence first") from None
+
+    # -- forward -----------------------------------------------------------------------------
+
+    def forward(self, chunks: Sequence[Chunk]) -> list[torch.Tensor]:
+        if not chunks:
+            return []
+        seqs = []
+        for c in chunks:
+            seq = self._seq(c.seq_id)
+            if any(s is seq for s in seqs):
+                raise ValueError(f"seq {c.seq_id} appears in more than one chunk of this forward")
+            check_chunk(c, seq.committed, self.max_seq_len, self.vocab_size)
+            seqs.append(seq)
+        total = sum(c.tokens.numel() for c in chunks)
+        if total > self.max_batch_tokens:
+            raise CapacityError(f"forward of {total} tokens exceeds max_batch_tokens={self.max_batch_tokens}")
+        for c, seq in zip(chunks, seqs):  # what the chunks overwrite is gone before lanes are chosen
+            for slot in c.slots.tolist():
+                self._drop_slot(seq, slot)
+            self._settle_lanes(seq)
+        entries = []  # (token, position, lane id, wants logits)
+        for c, seq in zip(chunks, seqs):
+            lanes = self._place(c, seq)
+            n = c.tokens.numel()
+            wants = [not c.last_logits_only or i == n - 1 for i in range(n)]
+            entries += zip(c.tokens.tolist(), c.positions.tolist(), lanes, wants)
+        logits = self._decode(entries)
+        sizes = [1 if c.last_logits_only else c.tokens.numel() for c in chunks]
+        return list(logits.split(sizes))
+
+    def _place(self, c: Chunk, seq: _Sequence) -> list[int]:
+        """Write each token of the chunk on the lane holding exactly what its mask shows it;
+        returns the lane ids, in token order."""
+        positions = c.positions.tolist()
+        slots = c.slots.tolist()
+        mask = c.mask.cpu().numpy()
+        chained = _chain_steps(mask, [s - seq.committed for s in slots], positions)
+        lanes = []
+        lane = None
+        for i, (pos, slot) in enumerate(zip(positions, slots)):
+            if not (i and chained[i - 1]):  # else: on the lane of the token before
+                lane = self._lane_for(seq, self._visible(seq, mask[i], slot), pos)
+            cell = _Cell(pos, {lane.id}, refs=1)
+            lane.region[pos] = cell
+            seq.slots[slot] = cell
+            lanes.append(lane.id)
+        return lanes
+
+    def _visible(self, seq: _Sequence, mask_row: np.ndarray, own_slot: int) -> dict[int, _Cell]:
+        """The region cells a token sees (position -> cell), its own slot excluded."""
+        seen = {}
+        for r in np.flatnonzero(mask_row).tolist():
+            slot = seq.committed + r
+            if slot == own_slot:
+                continue
+            cell = seq.slots.get(slot)
+            if cell is None:
+                raise ValueError(f"a token's mask shows slot {slot}, which holds no token")
+            if cell.pos in seen or cell.pos < seq.committed:
+                raise ValueError(f"a token's mask shows two tokens at position {cell.pos} (or one inside "
+                                 "the committed prefix): not a tree, which llama.cpp's lanes cannot express")
+            seen[cell.pos] = cell
+        return seen
+
+    def _lane_for(self, seq: _Sequence, visible: dict[int, _Cell], pos: int) -> _Lane:
+        """A lane whose cells are exactly the committed prefix and ``visible``, ready for a token
+        at ``pos``: an existing one, or a new one made by sharing cells (no compute)."""
+        if any(p >= pos for p in visible):
+            raise ValueError(f"a token at position {pos} may only see earlier positions")
+        if max(visible, default=seq.committed - 1) != pos - 1:
+            raise ValueError(f"a token at position {pos} must continue the position before it")
+        for lane in seq.lanes:
+            if lane.prefix == seq.committed and _same_cells(lane.region, visible):
+                return lane
+        lane = self._new_lane()
+        seq.lanes.append(lane)
+        source = next((x for x in seq.lanes if x.prefix == seq.committed and x is not lane
+                       and _same_cells({p: c for p, c in x.region.items() if p < pos}, visible)), None)
+        if source is not None:  # the common case: a branch leaving a chain
+            self._L.llama_memory_seq_cp(self._memory, source.id, lane.id, 0, pos)
+            for cell in visible.values():
+                cell.lanes.add(lane.id)
+        else:
+            self._L.llama_memory_seq_cp(self._memory, seq.base.id, lane.id, 0, seq.committed)
+            for cell in visible.values():
+                self._hold(lane, cell, settle=False)
+        lane.prefix = seq.committed
+        lane.region = dict(visible)
+        return lane
+
+    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> torch.Tensor:
+        """One llama_decode of every entry; the logits rows asked for, in entry order."""
+        L, b = self._L, self._batch
+        b.n_tokens = len(entries)
+        for i, (token, pos, lane, wants) in enumerate(entries):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, wants
+            b.seq_id[i][0] = lane
+        status = L.llama_decode(self._ctx, b)
+        if status != 0:
+            raise CapacityError(f"llama_decode failed with status {status} ({len(entries)} tokens); "
+                                "llama.cpp's cache may be full")
+        rows = sum(1 for e in entries if e[3])
+        out = np.ctypeslib.as_array(L.llama_get_logits(self._ctx), shape=(rows, self.vocab_size))
+        return torch.from_numpy(out.copy())
+
+    # -- cells and lanes ---------------------------------------------------------------------
+
+    def _hold(self, lane: _Lane, cell: _Cell, settle: bool = True) -> None:
+        """Make ``lane`` hold ``cell`` (replacing any cell it has at that position)."""
+        if cell.lanes and lane.id in cell.lanes:
+            return
+        old = lane.region.get(cell.pos)
+        if old is not None:
+            self._L.llama_memory_seq_rm(self._memory, lane.id, old.pos, old.pos + 1)
+            old.lanes.discard(lane.id)
+        donor = next(iter(cell.lanes))
+        self._L.llama_memory_seq_cp(self._memory, donor, lane.id, cell.pos, cell.pos + 1)
+        cell.lanes.add(lane.id)
+        lane.region[cell.pos] = cell
+
+    def _drop_slot(self, seq: _Sequence, slot: int) -> None:
+        """The slot names nothing; its cell leaves every lane once no slot names it."""
+        cell = seq.slots.pop(slot, None)
+        if cell is None:
+            return
+        cell.refs -= 1
+        if cell.refs > 0:
+            return
+        for lane in seq.lanes:
+            if lane.region.get(cell.pos) is cell:
+                self._L.llama_memory_seq_rm(self._memory, lane.id, cell.pos, cell.pos + 1)
+                del lane.region[cell.pos]
+        cell.lanes.clear()
+
+    def _settle_lanes(self, seq: _Sequence) -> None:
+        """Fold committed cells into each lane's prefix, and free lanes nothing needs: a lane
+        (other than the base) with no region cell only repeats part of the prefix."""
+        for lane in seq.lanes:
+            while lane.prefix < seq.committed and lane.region.get(lane.prefix) is seq.prefix[lane.prefix]:
+                del lane.region[lane.prefix]
+                lane.prefix += 1
+        for lane in [x for x in seq.lanes if x is not seq.base and not x.region]:
+            seq.lanes.remove(lane)
+            self._free_lane(lane)
+
+    def _new_lane(self) -> _Lane:
+        if not self._free_lanes:
+            raise CapacityError(f"all {MAX_LANES} llama.cpp sequence ids are in use (sequences x tree branches)")
+        return _Lane(self._free_lanes.pop(0))
+
+    def _free_lane(self, lane: _Lane) -> None:
+        self._L.llama_memory_seq_rm(self._memory, lane.id, -1, -1)
+        for cell in lane.region.values():
+            cell.lanes.discard(lane.id)
+        self._free_lanes.append(lane.id)
+
+
+def _same_cells(a: dict[int, _Cell], b: dict[int, _Cell]) -> bool:
+    return len(a) == len(b) and all(b.get(p) is cell for p, cell in a.items())
+
+
+def _chain_steps(mask: np.ndarray, region_slots: list[int], positions: list[int]) -> list[bool]:
+    """chained[i]: token i+1 sees exactly what token i sees plus token i, one position on, so it
+    goes on token i's lane without a search (prefill, verify and glue chains)."""
+    n = len(region_slots)
+    if n < 2:
+        return []
+    expected = mask[:-1].copy()
+    expected[np.arange(n - 1), region_slots[:-1]] = True
+    same = (mask[1:] == expected).all(axis=1)
+    steps = np.diff(np.asarray(positions)) == 1
+    return (same & steps).tolist()
+

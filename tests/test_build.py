@@ -271,7 +271,7 @@ def test_a_named_engine_carries_its_tuned_speculation_defaults(tmp_path, monkeyp
     """The manifest records the pair's tuned K / fan-out budget; LLM applies them where its caller
     sets nothing, the caller's options win, and another draft does not inherit them."""
     source = make_tiny_gguf(tmp_path / "Tiny-Model.gguf")
-    tuned = NamedEngine("tiny-tuned", "test", target=lambda: source, speculation={"k": 3, "fanout_budget": 6})
+    tuned = NamedEngine("tiny-tuned", "test", target=lambda: source, speculation={"torch": {"k": 3, "fanout_budget": 6}})
     monkeypatch.setitem(catalog.NAMED_ENGINES, "tiny-tuned", tuned)
     monkeypatch.setattr(build_module, "NAMED_ENGINES", catalog.NAMED_ENGINES)
     engine = build_engine("tiny-tuned", tmp_path / "engines", progress=False)
@@ -283,7 +283,7 @@ def test_a_named_engine_carries_its_tuned_speculation_defaults(tmp_path, monkeyp
         assert (llm.spec.k, llm.spec.fanout_budget) == (4, 6)
     other = build_engine("tiny-tuned", tmp_path / "engines", draft=source, name="tiny-other", progress=False)
     assert load_manifest(other)["speculation"] == {} and engine_speculation(source) == {}
-    monkeypatch.setitem(catalog.NAMED_ENGINES, "tiny-tuned", dataclasses.replace(tuned, speculation={"k": 0}))
+    monkeypatch.setitem(catalog.NAMED_ENGINES, "tiny-tuned", dataclasses.replace(tuned, speculation={"torch": {"k": 0}}))
     with pytest.raises(ValueError, match="k must be an integer in"):
         build_engine("tiny-tuned", tmp_path / "engines", progress=False)
 

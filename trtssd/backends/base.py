@@ -15,7 +15,7 @@ per token and are independent of the storage slot.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Mapping, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -118,3 +118,25 @@ def check_chunk(c: Chunk, committed: int, max_seq_len: int, vocab_size: int) -> 
     if int(c.tokens.min()) < 0 or int(c.tokens.max()) >= vocab_size:
         raise ValueError(f"{where}: token ids must be in [0, {vocab_size})")
     return n, hi + 1
+
+
+S = TypeVar("S")
+
+
+def find_sequence(seqs: Mapping[int, S], seq_id: int) -> S:
+    """An executor's record of ``seq_id``, or the error every executor gives for an unknown id."""
+    try:
+        return seqs[seq_id]
+    except KeyError:
+        raise ValueError(f"unknown seq_id {seq_id}; call add_sequence first") from None
+
+
+def chunk_sequences(chunks: Sequence[Chunk], seqs: Mapping[int, S]) -> list[S]:
+    """The record of each chunk's sequence; a sequence may appear in one chunk of a forward only."""
+    found: list[S] = []
+    for c in chunks:
+        seq = find_sequence(seqs, c.seq_id)
+        if any(s is seq for s in found):
+            raise ValueError(f"seq {c.seq_id} appears in more than one chunk of this forward")
+        found.append(seq)
+    return found

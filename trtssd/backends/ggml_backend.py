@@ -37,7 +37,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from trtssd.backends.base import CapacityError, Chunk, check_chunk
+from trtssd.backends.base import CapacityError, Chunk, check_chunk, chunk_sequences, find_sequence
 
 log = logging.getLogger(__name__)
 
@@ -240,23 +240,16 @@ class GgmlExecutor:
         self._settle_lanes(seq)
 
     def _seq(self, seq_id: int) -> _Sequence:
-        try:
-            return self._seqs[seq_id]
-        except KeyError:
-            raise ValueError(f"unknown seq_id {seq_id}; call add_sequence first") from None
+        return find_sequence(self._seqs, seq_id)
 
     # -- forward -----------------------------------------------------------------------------
 
     def forward(self, chunks: Sequence[Chunk]) -> list[torch.Tensor]:
         if not chunks:
             return []
-        seqs = []
-        for c in chunks:
-            seq = self._seq(c.seq_id)
-            if any(s is seq for s in seqs):
-                raise ValueError(f"seq {c.seq_id} appears in more than one chunk of this forward")
+        seqs = chunk_sequences(chunks, self._seqs)
+        for c, seq in zip(chunks, seqs):
             check_chunk(c, seq.committed, self.max_seq_len, self.vocab_size)
-            seqs.append(seq)
         total = sum(c.tokens.numel() for c in chunks)
         if total > self.max_batch_tokens:
             raise CapacityError(f"forward of {total} tokens exceeds max_batch_tokens={self.max_batch_tokens}")

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from trtssd.backends.base import CapacityError, Chunk, check_chunk
+from trtssd.backends.base import CapacityError, Chunk, check_chunk, chunk_sequences, find_sequence
 from trtssd.models.config import ModelConfig
 from trtssd.models.llama import AttentionBatch, Linear, LlamaModel
 from trtssd.models.loader import load_model
@@ -279,22 +279,14 @@ class TorchExecutor:
         seq.written = max(seq.written, int(dst.max()) + 1)
 
     def _seq(self, seq_id: int) -> _Sequence:
-        try:
-            return self._seqs[seq_id]
-        except KeyError:
-            raise ValueError(f"unknown seq_id {seq_id}; call add_sequence first") from None
+        return find_sequence(self._seqs, seq_id)
 
     # -- forward -----------------------------------------------------------------------------
 
     def forward(self, chunks: Sequence[Chunk]) -> list[torch.Tensor]:
         if not chunks:
             return []
-        seqs = []
-        for c in chunks:
-            seq = self._seq(c.seq_id)
-            if any(s is seq for s in seqs):
-                raise ValueError(f"seq {c.seq_id} appears in more than one chunk of this forward")
-            seqs.append(seq)
+        seqs = chunk_sequences(chunks, self._seqs)
         checked = [check_chunk(c, s.committed, self.max_seq_len, self.vocab_size) for c, s in zip(chunks, seqs)]
         lens = [n for n, _ in checked]
         total = sum(lens)

@@ -322,7 +322,7 @@ class GgmlExecutor:
         else:
             self._L.llama_memory_seq_cp(self._memory, seq.base.id, lane.id, 0, seq.committed)
             for cell in visible.values():
-                self._hold(lane, cell, settle=False)
+                self._hold(lane, cell)
         lane.prefix = seq.committed
         lane.region = dict(visible)
         return lane
@@ -344,7 +344,7 @@ class GgmlExecutor:
 
     # -- cells and lanes ---------------------------------------------------------------------
 
-    def _hold(self, lane: _Lane, cell: _Cell, settle: bool = True) -> None:
+    def _hold(self, lane: _Lane, cell: _Cell) -> None:
         """Make ``lane`` hold ``cell`` (replacing any cell it has at that position)."""
         if cell.lanes and lane.id in cell.lanes:
             return

@@ -207,7 +207,7 @@ def test_commands_from_a_built_engines_manifest(tmp_path, name, family, converte
     (tmp_path / name).mkdir()
     (tmp_path / name / "manifest.json").write_text(json.dumps(manifest))
     plan = plan_for(name, tmp_path)
-    assert plan.k == NAMED_ENGINES[name].speculation["k"]  # the pair's tuned lookahead
+    assert plan.k == NAMED_ENGINES[name].speculation["torch"]["k"]  # the pair's tuned lookahead
     assert plan.target.family == family
     assert f"models/core/{converter}/convert_checkpoint.py" in render_script(plan)
     assert plan.draft.int4_weight_only == (name == "smollm2-135m")

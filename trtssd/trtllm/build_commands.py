@@ -136,7 +136,7 @@ def plan_for(name: str, engines_dir: str | Path | None = None, *, k: int | None 
     trtssd's default."""
     if k is None:
         named = NAMED_ENGINES.get(name)
-        k = named.speculation.get("k", SpeculativeConfig.k) if named is not None else SpeculativeConfig.k
+        k = named.speculation.get("torch", {}).get("k", SpeculativeConfig.k) if named is not None else SpeculativeConfig.k
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"k (--max_draft_len) must be an int >= 1, got {k!r}")
     engines = Path(engines_dir) if engines_dir is not None else default_engines_dir()

@@ -148,6 +148,7 @@ class RuntimeConfig:
     target_cores: Sequence[int] | None = None  # CPU cores to pin the target to; None = core 0 when >1 core
     draft_cores: Sequence[int] | None = None  # CPU cores to pin the draft to; None = the last core
     poll_interval_s: float = 0.0002  # an idle rank sleeps this long between polls instead of spinning
+    lend_draft_cores: bool = True  # plain rounds on a ggml target also run on the draft's cores (it idles then)
     target_device: str = "cpu"  # where the target's weights, KV pool and forwards live: "cpu", "cuda", "cuda:N"
     draft_device: str = "cpu"  # the same for the draft rank (on one GPU both ranks may share it)
     transport: Transport = Transport.AUTO  # how proposal rows reach the target; auto follows draft_device
@@ -169,6 +170,8 @@ class RuntimeConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer; got {v!r}")
+        if not isinstance(self.lend_draft_cores, bool):
+            raise ValueError(f"lend_draft_cores must be True or False; got {self.lend_draft_cores!r}")
         if not 0 < self.poll_interval_s <= 0.1:
             raise ValueError(f"poll_interval_s must be in (0, 0.1]; got {self.poll_interval_s!r}")
         for name in ("target_cores", "draft_cores"):

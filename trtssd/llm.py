@@ -19,7 +19,7 @@ from trtssd.config import (Mode, ModelRef, RuntimeConfig, SpeculativeConfig, Tar
 from trtssd.devices import resolve_device
 from trtssd.models.engine_dir import MANIFEST, engine_speculation
 from trtssd.models.tokenizer import chat_prompt_ids, encode_text, load_tokenizer
-from trtssd.runtime.affinity import cores_besides, pin, pin_thread, restore, split_cores
+from trtssd.runtime.affinity import core_lending, cores_besides, pin, pin_thread, restore, split_cores
 from trtssd.runtime.launch import LAUNCHES, start_draft, target_seq_len
 from trtssd.runtime.target_loop import TargetLoop, Verifier
 from trtssd.runtime.metrics import SpecMetrics
@@ -103,8 +103,11 @@ class LLM:
         except BaseException:
             _close_verifier(verifier)
             raise
-        return TargetLoop(executor, self.spec, self.runtime.max_batch, self.tokenizer, _eos_ids(self.tokenizer), link,
-                          verifier)
+        rt = self.runtime
+        lending = (core_lending(executor, rt.target_cores, rt.target_threads, rt.draft_cores, rt.draft_threads)
+                   if rt.lend_draft_cores else None)
+        return TargetLoop(executor, self.spec, rt.max_batch, self.tokenizer, _eos_ids(self.tokenizer), link,
+                          verifier, lending)
 
     def _verifier(self, vocab_size: int) -> Verifier | None:
         """The target's rounds: None = the torch executor's own (TargetLoop's default)."""

@@ -19,10 +19,28 @@ with (causally, by position), and a cell may carry several ids. We call a sequen
   removed from every lane (llama.cpp then frees it).
 
 Exactness needs a row's logits to be the same alone, inside a verify chain, inside a batch of
-other sequences and on a tree lane. With flash attention on, llama.cpp's CPU kernels give
-bit-identical rows in all these cases (tests/test_ggml_backend.py checks it, so an upgrade that
-breaks it fails loudly); without it they do not. Weight repacking is off for the same reason
-(its kernels differ between one row and several).
+other sequences, after other requests came and went, and on either thread count. llama.cpp's CPU
+kernels give that only under conditions this executor keeps (``row_invariant``, the target's
+setting; tests/test_ggml_backend.py checks each, so an upgrade that breaks one fails loudly):
+
+- Flash attention on (off, rows differ by up to 0.65) and no weight repacking (its kernels differ
+  between one row and several).
+- Flash attention sums a row's keys in cache-cell order, so every token's visible cells must lie
+  in position order: a freed cell is never reused in place (it moves to a *trash* lane nobody
+  attends to), and when the trash grows the cache is compacted by saving and restoring llama.cpp's
+  state, which packs the live cells from cell 0 in their order.
+- A forward of 64 tokens or more runs a tiled attention whose sums group keys by 64-cell tiles:
+  such a chain (a prompt) starts at a cell whose index is its position modulo 64 (a few *filler*
+  tokens, trashed at once, pad the cache up to it) and is cut at fixed positions (multiples of
+  512). Every other forward goes to llama.cpp in pieces of at most 63 tokens.
+- A one-token forward on two or more threads splits a long cache (512 cells and more) across the
+  threads; the shorter pieces above are cut so that they never hold a single token. A plain round
+  of one row that borrows the draft's cores (trtssd.runtime.affinity.CoreLending) is such a
+  forward: it runs exactly what llama.cpp's own decoding runs on those threads, and its logits
+  may differ from the one-thread ones in the last bits.
+
+The draft (``row_invariant=False``) frees cells in place: its rows need not be exact (a proposal's
+distribution is whatever it was sampled from), and its tree steps free many cells each round.
 """
 
 from __future__ import annotations
@@ -45,6 +63,9 @@ MAX_LANES = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence ids per context
 _FLASH_ATTN_ENABLED = 1  # llama_flash_attn_type: LLAMA_FLASH_ATTN_TYPE_ENABLED
 _MIN_CELLS = 1024
 _UBATCH = 512  # tokens per llama.cpp micro-batch (its compute buffer is sized for it)
+_TILE = 64  # llama.cpp's CPU flash attention tiles forwards of this many tokens and more
+_PROMPT_CUT = 512  # a long chain is cut at positions that are multiples of this
+_COMPACT_AFTER = 256  # trashed cells that trigger a compaction
 
 _init_lock = threading.Lock()
 _initialized = False
@@ -107,11 +128,12 @@ class GgmlExecutor:
     """Runs a GGUF model on llama.cpp for the runtime: prefill, K+1 verification, glue and tree."""
 
     def __init__(self, path: str | Path, *, max_seqs: int = 4, max_seq_len: int = 2048,
-                 max_batch_tokens: int | None = None, threads: int | None = None):
+                 max_batch_tokens: int | None = None, threads: int | None = None, row_invariant: bool = True):
         """path: a GGUF file. max_seqs: concurrent sequences. max_seq_len: slots per sequence
         (prompt + output + region); the cache holds max_seqs x max_seq_len cells. max_batch_tokens:
         most tokens in one forward (default max_seq_len). threads: llama.cpp threads (default:
-        torch's thread count, which the rank's pinning sets)."""
+        torch's thread count, which the rank's pinning sets). row_invariant: keep a row's logits
+        independent of its batch and of the cache's history (the module docstring says how)."""
         for name, value in (("max_seqs", max_seqs), ("max_seq_len", max_seq_len)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -137,7 +159,9 @@ class GgmlExecutor:
             log.warning("max_seq_len %d exceeds the model's trained context %d", max_seq_len, trained)
         cparams = L.llama_context_default_params()
         # At least _MIN_CELLS: llama.cpp 0.3.36 crashed making a context of 256 cells with 256 sequence ids.
-        cparams.n_ctx = max(max_seqs * max_seq_len, _MIN_CELLS)
+        # Room for the trash and the filler besides max_seqs full sequences.
+        cparams.n_ctx = max(max_seqs * max_seq_len + (_COMPACT_AFTER + _UBATCH + _TILE if row_invariant else 0),
+                            _MIN_CELLS)
         # llama.cpp 0.3.36 crashed making contexts whose micro-batch was smaller than its sequence ids.
         cparams.n_batch = max(max_batch_tokens, _UBATCH)
         cparams.n_ubatch = _UBATCH
@@ -152,7 +176,14 @@ class GgmlExecutor:
             raise CapacityError(f"llama.cpp could not make a context of {cparams.n_ctx} cells for {self.path}")
         self._memory = L.llama_get_memory(self._ctx)
         self._batch = L.llama_batch_init(cparams.n_batch, 0, 1)
-        self._free_lanes = list(range(MAX_LANES))
+        self.row_invariant = row_invariant
+        self._n_cells = cparams.n_ctx
+        # Two lanes nobody attends to: the trash holds freed cells until a compaction, the filler
+        # the tokens that pad the cache up to a prompt's aligned cell.
+        self._trash, self._filler = MAX_LANES - 1, MAX_LANES - 2
+        self._free_lanes = list(range(MAX_LANES - 2 if row_invariant else MAX_LANES))
+        self._allocated = 0  # cells llama.cpp holds (row_invariant: live + trash, packed from cell 0)
+        self._trashed = 0
         self._seqs: dict[int, _Sequence] = {}
         log.info("GgmlExecutor %s: %d threads, %d cells, vocab %d", self.path.name, self.threads,
                  cparams.n_ctx, self.vocab_size)
@@ -257,13 +288,19 @@ class GgmlExecutor:
             for slot in c.slots.tolist():
                 self._drop_slot(seq, slot)
             self._settle_lanes(seq)
-        entries = []  # (token, position, lane id, wants logits)
+        if self.row_invariant and (self._trashed >= _COMPACT_AFTER
+                                   or self._allocated + total + _TILE > self._n_cells):
+            self.compact()  # before placing: the cells placed below are not in llama.cpp's cache yet
+        per_chunk = []  # each chunk's (token, position, lane id, wants logits)
         for c, seq in zip(chunks, seqs):
             lanes = self._place(c, seq)
             n = c.tokens.numel()
             wants = [not c.last_logits_only or i == n - 1 for i in range(n)]
-            entries += zip(c.tokens.tolist(), c.positions.tolist(), lanes, wants)
-        logits = self._decode(entries)
+            per_chunk.append(list(zip(c.tokens.tolist(), c.positions.tolist(), lanes, wants)))
+        if not self.row_invariant:
+            logits = self._decode([e for entries in per_chunk for e in entries])
+        else:
+            logits = self._decode_invariant(per_chunk)
         sizes = [1 if c.last_logits_only else c.tokens.numel() for c in chunks]
         return list(logits.split(sizes))
 
@@ -327,9 +364,56 @@ class GgmlExecutor:
         lane.region = dict(visible)
         return lane
 
+    def _decode_invariant(self, per_chunk: list[list[tuple[int, int, int, bool]]]) -> torch.Tensor:
+        """The forward as llama.cpp decodes it row-invariantly (module docstring): long chains
+        alone, aligned and cut at fixed positions; the rest in pieces of 2 to 63 tokens. Logits
+        rows come back in entry order."""
+        rows: list[tuple[int, torch.Tensor]] = []  # (first entry index, logits rows) per decode
+        short: list[tuple[int, tuple]] = []
+        start = 0
+        for entries in per_chunk:
+            if len(entries) >= _TILE:
+                self._align(entries[0][1])
+                for a, b in _chain_pieces(entries[0][1], len(entries)):
+                    rows.append((start + a, self._decode(entries[a:b])))
+            else:
+                short += [(start + i, e) for i, e in enumerate(entries)]
+            start += len(entries)
+        for a, b in _pieces(len(short), _TILE - 1):
+            rows.append((short[a][0], self._decode([e for _, e in short[a:b]])))
+        rows.sort(key=lambda r: r[0])
+        return torch.cat([r for _, r in rows])
+
+    def _align(self, position: int) -> None:
+        """Pad the cache with filler tokens (trashed at once) until the next cell's index is
+        ``position`` modulo 64: a long chain's tiles then group its keys by position alone."""
+        n = (position - self._allocated) % _TILE
+        if n:
+            self._decode([(0, p, self._filler, False) for p in range(n)])
+            self._L.llama_memory_seq_cp(self._memory, self._filler, self._trash, -1, -1)
+            self._L.llama_memory_seq_rm(self._memory, self._filler, -1, -1)
+            self._trashed += n
+
+    def compact(self) -> None:
+        """Drop the trash and pack the live cells from cell 0, in their order (llama.cpp's whole
+        state saved and restored: the restore lays cells out in the order they were saved)."""
+        L = self._L
+        L.llama_memory_seq_rm(self._memory, self._trash, -1, -1)
+        size = L.llama_state_get_size(self._ctx)
+        buf = (ctypes.c_ubyte * size)()
+        written = L.llama_state_get_data(self._ctx, buf, size)
+        if L.llama_state_set_data(self._ctx, buf, written) != written:
+            raise RuntimeError("llama.cpp could not restore its state while compacting the cache")
+        self._allocated, self._trashed = self._live_cells(), 0
+
+    def _live_cells(self) -> int:
+        return sum(len(seq.prefix) + len({id(c) for lane in seq.lanes for c in lane.region.values()})
+                   for seq in self._seqs.values())
+
     def _decode(self, entries: list[tuple[int, int, int, bool]]) -> torch.Tensor:
         """One llama_decode of every entry; the logits rows asked for, in entry order."""
         L, b = self._L, self._batch
+        self._allocated += len(entries)
         b.n_tokens = len(entries)
         for i, (token, pos, lane, wants) in enumerate(entries):
             b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, wants
@@ -350,6 +434,8 @@ class GgmlExecutor:
             return
         old = lane.region.get(cell.pos)
         if old is not None:
+            if old.lanes <= {lane.id}:
+                self._trash_cell(lane.id, old)
             self._L.llama_memory_seq_rm(self._memory, lane.id, old.pos, old.pos + 1)
             old.lanes.discard(lane.id)
         donor = next(iter(cell.lanes))
@@ -365,11 +451,20 @@ class GgmlExecutor:
         cell.refs -= 1
         if cell.refs > 0:
             return
-        for lane in seq.lanes:
-            if lane.region.get(cell.pos) is cell:
-                self._L.llama_memory_seq_rm(self._memory, lane.id, cell.pos, cell.pos + 1)
-                del lane.region[cell.pos]
+        holders = [lane for lane in seq.lanes if lane.region.get(cell.pos) is cell]
+        if holders:
+            self._trash_cell(holders[0].id, cell)
+        for lane in holders:
+            self._L.llama_memory_seq_rm(self._memory, lane.id, cell.pos, cell.pos + 1)
+            del lane.region[cell.pos]
         cell.lanes.clear()
+
+    def _trash_cell(self, lane_id: int, cell: _Cell) -> None:
+        """Row-invariantly, a cell leaving its last lane goes to the trash instead of being
+        freed, so no later token takes its place below live cells."""
+        if self.row_invariant:
+            self._L.llama_memory_seq_cp(self._memory, lane_id, self._trash, cell.pos, cell.pos + 1)
+            self._trashed += 1
 
     def _settle_lanes(self, seq: _Sequence) -> None:
         """Fold committed cells into each lane's prefix, and free lanes nothing needs: a lane
@@ -388,6 +483,9 @@ class GgmlExecutor:
         return _Lane(self._free_lanes.pop(0))
 
     def _free_lane(self, lane: _Lane) -> None:
+        if self.row_invariant:  # its cells go to the trash (those still on other lanes stay live there)
+            self._L.llama_memory_seq_cp(self._memory, lane.id, self._trash, -1, -1)
+            self._trashed += lane.prefix + len(lane.region)
         self._L.llama_memory_seq_rm(self._memory, lane.id, -1, -1)
         for cell in lane.region.values():
             cell.lanes.discard(lane.id)
@@ -410,3 +508,25 @@ def _chain_steps(mask: np.ndarray, region_slots: list[int], positions: list[int]
     steps = np.diff(np.asarray(positions)) == 1
     return (same & steps).tolist()
 
+
+
+
+def _pieces(n: int, size: int) -> list[tuple[int, int]]:
+    """[a, b) ranges of at most ``size`` of n entries, none of a single entry unless n == 1 (a
+    one-token forward on several threads splits a long cache across them)."""
+    bounds = [*range(0, n, size), n]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+        bounds[-2] -= 1
+    return list(zip(bounds, bounds[1:]))
+
+
+def _chain_pieces(first: int, n: int) -> list[tuple[int, int]]:
+    """[a, b) ranges of a chain of n >= 64 tokens from position ``first``, cut where a position
+    is a multiple of 512 (so a prompt is always cut the same way), a single-token end piece
+    taking one more token from its neighbour."""
+    bounds = [0, *[i for i in range(1, n) if (first + i) % _PROMPT_CUT == 0], n]
+    if bounds[1] - bounds[0] == 1:
+        bounds[1] += 1
+    if bounds[-1] - bounds[-2] == 1:
+        bounds[-2] -= 1
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]

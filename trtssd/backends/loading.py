@@ -27,17 +27,20 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def load_executor(ref: ModelRef, max_seqs: int, max_seq_len: int, max_batch_tokens: int | None = None,
-                  device: str = "cpu", device_field: str = "device") -> TorchExecutor | GgmlExecutor:
+                  device: str = "cpu", device_field: str = "device",
+                  row_invariant: bool = True) -> TorchExecutor | GgmlExecutor:
     """max_batch_tokens: most tokens in one forward (a prefill, or a batch's verify/glue/tree).
     device: "cpu", "cuda" or "cuda:N" (weights, KV pool and forwards there); ``device_field``
-    names the option it came from in errors (e.g. "draft_device")."""
+    names the option it came from in errors (e.g. "draft_device"). row_invariant: for a ggml
+    model, keep each row's logits independent of its batch (the target; the draft need not, see
+    trtssd/backends/ggml_backend.py)."""
     dev = resolve_device(device, device_field)
     if ref.backend == "ggml":
         return _ggml_executor(ref.path, dev, device_field, max_seqs=max_seqs, max_seq_len=max_seq_len,
-                              max_batch_tokens=max_batch_tokens)
+                              max_batch_tokens=max_batch_tokens, row_invariant=row_invariant)
     if is_engine_dir(ref.path):
         return load_side(ref.path, ref.side, max_seqs=max_seqs, max_seq_len=max_seq_len,
-                         max_batch_tokens=max_batch_tokens, device=dev)
+                         max_batch_tokens=max_batch_tokens, device=dev, row_invariant=row_invariant)
     return TorchExecutor.from_pretrained(ref.path, dtype=_DTYPES[ref.dtype], max_seqs=max_seqs,
                                          max_seq_len=max_seq_len, max_batch_tokens=max_batch_tokens, device=dev)
 
@@ -46,7 +49,8 @@ def load_executor(ref: ModelRef, max_seqs: int, max_seq_len: int, max_batch_toke
 
 
 def load_side(engine_dir: str | os.PathLike, side: str, *, max_seqs: int = 4, max_seq_len: int = 2048,
-              fused: bool = True, device: str | torch.device = "cpu", **executor_options) -> TorchExecutor | GgmlExecutor:
+              fused: bool = True, device: str | torch.device = "cpu", row_invariant: bool = True,
+              **executor_options) -> TorchExecutor | GgmlExecutor:
     """One side's executor, as the engine's manifest says it runs: "ggml" (the GGUF file on
     llama.cpp, CPU only), "torch" (the model's own
     weights in the recorded dtype; the target always), "torch-int4" (the int4 self-draft, with
@@ -61,7 +65,7 @@ def load_side(engine_dir: str | os.PathLike, side: str, *, max_seqs: int = 4, ma
     entry = manifest[side]
     if entry["backend"] == "ggml":
         return _ggml_executor(engine_dir / entry["path"], device, "device", max_seqs=max_seqs,
-                              max_seq_len=max_seq_len, **executor_options)
+                              max_seq_len=max_seq_len, row_invariant=row_invariant, **executor_options)
     if entry["backend"] == "torch":
         return TorchExecutor.from_pretrained(
             engine_dir / entry["path"], dtype=_DTYPES[entry.get("dtype", "float32")],
@@ -85,7 +89,7 @@ def _ggml_executor(path, device: torch.device, device_field: str, **options) -> 
     if device.type != "cpu":
         raise ValueError(f"{device_field}: the ggml backend runs on 'cpu' here, got {str(device)!r}; "
                          "build the engine with backend 'torch' for CUDA")
-    unknown = sorted(set(options) - {"max_seqs", "max_seq_len", "max_batch_tokens"})
+    unknown = sorted(set(options) - {"max_seqs", "max_seq_len", "max_batch_tokens", "row_invariant"})
     if unknown:
         raise ValueError(f"{unknown} are torch-backend options; the ggml backend does not take them")
     return GgmlExecutor(path, **options)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Sequence
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 
@@ -52,3 +54,40 @@ def cores_besides(busy: Sequence[int] | None, allowed: set[int]) -> tuple[int, .
 def restore(previous: tuple[set[int], int]) -> None:
     os.sched_setaffinity(0, previous[0])
     torch.set_num_threads(previous[1])
+
+
+@dataclass
+class CoreLending:
+    """The target's cores for speculative rounds, and the draft's besides them for plain rounds.
+
+    On CPU a plain round leaves the draft rank idle (it has nothing to pre-speculate), so its
+    cores are better spent on the target: on a 2-core machine plain decoding on both beats
+    anything that keeps one for a draft. Only executors whose rows do not depend on their thread
+    count for multi-token forwards lend (the ggml executor: trtssd/backends/ggml_backend.py says
+    what a one-token forward on several threads changes)."""
+
+    executor: Any  # has set_threads(n)
+    own: tuple[tuple[int, ...] | None, int]  # (cores, threads) of speculative rounds
+    lent: tuple[tuple[int, ...] | None, int]  # (cores, threads) of plain rounds
+    _applied: tuple[int, bool] | None = None  # (thread, plain) last applied
+
+    def for_round(self, plain: bool) -> None:
+        """Take the cores of the coming forwards (on the thread that runs them: an affinity
+        belongs to a thread, and llama.cpp's workers inherit it)."""
+        key = (threading.get_ident(), plain)
+        if key == self._applied:
+            return
+        cores, threads = self.lent if plain else self.own
+        pin_thread("target rank", cores)
+        self.executor.set_threads(threads)
+        self._applied = key
+
+
+def core_lending(executor: Any, target_cores: Sequence[int] | None, target_threads: int,
+                 draft_cores: Sequence[int] | None, draft_threads: int) -> CoreLending | None:
+    """The lending for a target executor, or None when it cannot lend (no set_threads, or no
+    cores of the draft's own to borrow)."""
+    if not hasattr(executor, "set_threads") or not target_cores or not draft_cores:
+        return None
+    lent = tuple(sorted(set(target_cores) | set(draft_cores)))
+    return CoreLending(executor, (tuple(target_cores), target_threads), (lent, target_threads + draft_threads))

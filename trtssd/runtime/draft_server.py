@@ -24,7 +24,7 @@ def load_worker(draft_model: ModelRef, spec: SpeculativeConfig, runtime: Runtime
     """The draft model and its worker, calibrated for the auto fan-out."""
     executor = load_executor(draft_model, max_seqs=runtime.max_batch, max_seq_len=max_seq_len,
                              max_batch_tokens=batch_tokens(spec, runtime), device=runtime.draft_device,
-                             device_field="draft_device")
+                             device_field="draft_device", row_invariant=False)
     worker = DraftWorker(executor, spec)
     if spec.mode is Mode.SSD and spec.fixed_fanout is None:
         # No wider than this configuration's widest tree or glue: the widest sizes cost the most

@@ -30,6 +30,7 @@ from trtssd.runtime import protocol as P
 from trtssd.runtime.detokenizer import IncrementalDetokenizer
 from trtssd.runtime.draft_client import DraftClient
 from trtssd.runtime.metrics import SpecMetrics
+from trtssd.runtime.affinity import CoreLending
 from trtssd.runtime.round_choice import RoundChooser
 from trtssd.runtime.transport import PeerLost
 from trtssd.sampling import SamplingParams, make_generator, processed_probs, sample
@@ -142,7 +143,7 @@ class ExecutorVerifier:
 class TargetLoop:
     def __init__(self, target: Executor, spec: SpeculativeConfig, max_batch: int, tokenizer=None,
                  eos_token_ids: tuple[int, ...] = (), draft: DraftClient | None = None,
-                 verifier: Verifier | None = None):
+                 verifier: Verifier | None = None, lending: CoreLending | None = None):
         if spec.mode is not Mode.AR and draft is None:
             raise ValueError(f"mode {spec.mode.value!r} needs a draft rank")
         self.target = target
@@ -162,6 +163,7 @@ class TargetLoop:
         self._released: list[int] = []
         self._last_verify_s = 0.0
         self.chooser = RoundChooser()
+        self.lending = lending  # plain rounds (and prefill without a live draft) borrow the draft's cores
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -225,6 +227,8 @@ class TargetLoop:
             # Free the draft's rows of finished sequences before it must hold the new ones.
             self.draft.send(P.Release(tuple(self._released)))
             self._released = []
+        if self.lending is not None:
+            self.lending.for_round(plain=not self.speculating)
         for seq in new:
             if self.speculating:
                 seq.on_draft = self.draft.send(P.Prefill(seq.seq_id, tuple(seq.prompt), seq.params))
@@ -264,6 +268,8 @@ class TargetLoop:
     def _ar_round(self, outputs: list[StepOutput]) -> None:
         """One plain target step for every running row: chosen by load control while the draft
         is there (its rows catch up through the next outcome), or because the draft is lost."""
+        if self.lending is not None:
+            self.lending.for_round(plain=True)
         t0 = time.perf_counter()
         seqs = self.running
         chosen = self.speculating
@@ -288,6 +294,8 @@ class TargetLoop:
         # A row's first speculative rounds (after admission or plain rounds) miss, glue, and
         # wait for pre-speculation to catch up: not the steady rate of speculation.
         steady = all(s.spec_streak >= STEADY_AFTER_ROUNDS for s in seqs)
+        if self.lending is not None:
+            self.lending.for_round(plain=False)
         t0 = time.perf_counter()
         buffer = self._round % 2
         req = P.SpeculateRequest(self._round, tuple(s.outcome for s in seqs), buffer, self._last_verify_s,

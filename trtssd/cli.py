@@ -56,7 +56,7 @@ def _llm_options(args: argparse.Namespace) -> dict:
     """The LLM options given on the command line (the rest keep LLM's own defaults)."""
     names = ("mode", "k", "fanout", "fanout_budget", "saguaro_c", "backup", "draft_timeout_s", "plain_under_load",
              "max_batch", "max_seq_len", "target_threads", "draft_threads", "target_cores", "draft_cores",
-             "poll_interval_s")
+             "poll_interval_s", "lend_draft_cores")
     options = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     options.update(_device_options(args))
     if options.get("fanout") == "auto":
@@ -141,6 +141,9 @@ def _add_llm_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-cores", default=None, help="comma-separated CPU cores for the target")
     p.add_argument("--draft-cores", default=None, help="comma-separated CPU cores for the draft")
     p.add_argument("--poll-interval-s", type=float, default=None, help="idle poll sleep of the ranks")
+    p.add_argument("--lend-draft-cores", choices=["exact", "always", "never"], default=None,
+                   help="plain rounds of a ggml target on the draft's cores too (default exact: rows stay "
+                        "bit-identical; always: also one-row forwards over long caches, llama.cpp's own numerics)")
     _add_device_options(p)
 
 

@@ -137,6 +137,9 @@ def speculative_config(given: Mapping[str, Any], defaults: Mapping[str, Any] | N
     return SpeculativeConfig(**merged)
 
 
+LEND_DRAFT_CORES = ("exact", "always", "never")
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     """Process layout and capacity."""
@@ -148,7 +151,11 @@ class RuntimeConfig:
     target_cores: Sequence[int] | None = None  # CPU cores to pin the target to; None = core 0 when >1 core
     draft_cores: Sequence[int] | None = None  # CPU cores to pin the draft to; None = the last core
     poll_interval_s: float = 0.0002  # an idle rank sleeps this long between polls instead of spinning
-    lend_draft_cores: bool = True  # plain rounds on a ggml target also run on the draft's cores (it idles then)
+    # Plain rounds on a ggml target also run on the draft's cores (the draft idles then): "exact"
+    # keeps every row bit-identical (a one-row forward over a long cache stays on one thread),
+    # "always" runs those as llama.cpp's own multi-thread decoding too (faster; greedy output may
+    # then differ from sd/ssd at near-ties), "never" keeps the target on its own cores.
+    lend_draft_cores: str = "exact"
     target_device: str = "cpu"  # where the target's weights, KV pool and forwards live: "cpu", "cuda", "cuda:N"
     draft_device: str = "cpu"  # the same for the draft rank (on one GPU both ranks may share it)
     transport: Transport = Transport.AUTO  # how proposal rows reach the target; auto follows draft_device
@@ -170,8 +177,8 @@ class RuntimeConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer; got {v!r}")
-        if not isinstance(self.lend_draft_cores, bool):
-            raise ValueError(f"lend_draft_cores must be True or False; got {self.lend_draft_cores!r}")
+        if self.lend_draft_cores not in LEND_DRAFT_CORES:
+            raise ValueError(f"lend_draft_cores must be one of {LEND_DRAFT_CORES}; got {self.lend_draft_cores!r}")
         if not 0 < self.poll_interval_s <= 0.1:
             raise ValueError(f"poll_interval_s must be in (0, 0.1]; got {self.poll_interval_s!r}")
         for name in ("target_cores", "draft_cores"):

@@ -104,8 +104,9 @@ class LLM:
             _close_verifier(verifier)
             raise
         rt = self.runtime
-        lending = (core_lending(executor, rt.target_cores, rt.target_threads, rt.draft_cores, rt.draft_threads)
-                   if rt.lend_draft_cores else None)
+        lending = (core_lending(executor, rt.target_cores, rt.target_threads, rt.draft_cores, rt.draft_threads,
+                                split_single_rows=rt.lend_draft_cores == "always")
+                   if rt.lend_draft_cores != "never" else None)
         return TargetLoop(executor, self.spec, rt.max_batch, self.tokenizer, _eos_ids(self.tokenizer), link,
                           verifier, lending)
 

@@ -33,11 +33,12 @@ setting; tests/test_ggml_backend.py checks each, so an upgrade that breaks one f
   such a chain (a prompt) starts at a cell whose index is its position modulo 64 (a few *filler*
   tokens, trashed at once, pad the cache up to it) and is cut at fixed positions (multiples of
   512). Every other forward goes to llama.cpp in pieces of at most 63 tokens.
-- A one-token forward on two or more threads splits a long cache (512 cells and more) across the
-  threads; the shorter pieces above are cut so that they never hold a single token. A plain round
-  of one row that borrows the draft's cores (trtssd.runtime.affinity.CoreLending) is such a
-  forward: it runs exactly what llama.cpp's own decoding runs on those threads, and its logits
-  may differ from the one-thread ones in the last bits.
+- A one-token forward on two or more threads splits a long cache (past 256 cells, where the
+  attention's key view reaches 512) across the threads, and its sums change: the pieces above
+  never hold a single token, and a forward of one token over a long cache (a plain round of one
+  row that borrows the draft's cores, trtssd.runtime.affinity.CoreLending) gets a filler token
+  beside it, unless ``set_threads(n, split_single_rows=True)`` asks for llama.cpp's own
+  multi-thread decoding, faster and no longer bit-identical to the rows of a verify chain.
 
 The draft (``row_invariant=False``) frees cells in place: its rows need not be exact (a proposal's
 distribution is whatever it was sampled from), and its tree steps free many cells each round.
@@ -66,6 +67,7 @@ _UBATCH = 512  # tokens per llama.cpp micro-batch (its compute buffer is sized f
 _TILE = 64  # llama.cpp's CPU flash attention tiles forwards of this many tokens and more
 _PROMPT_CUT = 512  # a long chain is cut at positions that are multiples of this
 _COMPACT_AFTER = 256  # trashed cells that trigger a compaction
+_SPLIT_FROM = 257  # cache cells from which llama.cpp splits a one-token forward's keys across threads
 
 _init_lock = threading.Lock()
 _initialized = False
@@ -146,6 +148,7 @@ class GgmlExecutor:
         self._L = L = _llama()
         self.max_seqs, self.max_seq_len, self.max_batch_tokens = max_seqs, max_seq_len, max_batch_tokens
         self.threads = threads or torch.get_num_threads()
+        self.split_single_rows = False
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = 0
         mparams.use_extra_bufts = False  # no repacking: its kernels make a row depend on its batch
@@ -202,11 +205,15 @@ class GgmlExecutor:
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
-    def set_threads(self, threads: int) -> None:
-        """Threads for the next forwards (load control lends the target the draft's cores)."""
+    def set_threads(self, threads: int, split_single_rows: bool = False) -> None:
+        """Threads for the next forwards (plain rounds borrow the draft's cores). A one-token
+        forward over a long cache (llama.cpp splits it across threads there) gets a filler token
+        beside it unless ``split_single_rows``: then it runs as llama.cpp's own multi-thread
+        decoding, faster, and its logits may differ from a multi-token forward's in the last bits."""
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be a positive int, got {threads!r}")
         self.threads = threads
+        self.split_single_rows = split_single_rows
         self._L.llama_set_n_threads(self._ctx, threads, threads)
 
     # -- sequences ---------------------------------------------------------------------------
@@ -380,7 +387,14 @@ class GgmlExecutor:
                 short += [(start + i, e) for i, e in enumerate(entries)]
             start += len(entries)
         for a, b in _pieces(len(short), _TILE - 1):
-            rows.append((short[a][0], self._decode([e for _, e in short[a:b]])))
+            entries = [e for _, e in short[a:b]]
+            padded = (len(entries) == 1 and self.threads > 1 and not self.split_single_rows
+                      and self._allocated >= _SPLIT_FROM - 1)
+            if padded:  # a filler token beside it: two rows are not split across threads
+                entries.append((0, 0, self._filler, False))
+            rows.append((short[a][0], self._decode(entries)))
+            if padded:
+                self._trash_filler(1)
         rows.sort(key=lambda r: r[0])
         return torch.cat([r for _, r in rows])
 
@@ -390,9 +404,12 @@ class GgmlExecutor:
         n = (position - self._allocated) % _TILE
         if n:
             self._decode([(0, p, self._filler, False) for p in range(n)])
-            self._L.llama_memory_seq_cp(self._memory, self._filler, self._trash, -1, -1)
-            self._L.llama_memory_seq_rm(self._memory, self._filler, -1, -1)
-            self._trashed += n
+            self._trash_filler(n)
+
+    def _trash_filler(self, n: int) -> None:
+        self._L.llama_memory_seq_cp(self._memory, self._filler, self._trash, -1, -1)
+        self._L.llama_memory_seq_rm(self._memory, self._filler, -1, -1)
+        self._trashed += n
 
     def compact(self) -> None:
         """Drop the trash and pack the live cells from cell 0, in their order (llama.cpp's whole

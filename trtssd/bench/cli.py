@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--shared-cores", action="store_true",
                    help="trtssd ranks each use every core (threads = cores) instead of one core each")
+    p.add_argument("--lend-draft-cores", choices=["exact", "always", "never"], default="exact",
+                   help="plain rounds of a ggml target on the draft's cores too (RuntimeConfig.lend_draft_cores)")
     p.add_argument("--target-device", default="cpu", help="trtssd target rank: 'cpu', 'cuda' or 'cuda:N' "
                    "(CUDA: unverified)")
     p.add_argument("--draft-device", default="cpu", help="trtssd draft rank: 'cpu', 'cuda' or 'cuda:N'")
@@ -99,7 +101,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         engine=args.engine, target=args.target, draft=args.draft, systems=args.systems, datasets=args.datasets,
         ks=args.k, budgets=args.budget, backup=args.backup, saguaro_c=args.saguaro_c, ignore_eos=not args.allow_eos, seed=args.seed,
         warmup=not args.no_warmup, peer_threads=args.peer_threads, llamacpp_threads=args.llamacpp_threads,
-        llamacpp_draft_max=args.llamacpp_draft_max, shared_cores=args.shared_cores, hf_target=args.hf_target, hf_draft=args.hf_draft,
+        llamacpp_draft_max=args.llamacpp_draft_max, shared_cores=args.shared_cores, lend_draft_cores=args.lend_draft_cores, hf_target=args.hf_target, hf_draft=args.hf_draft,
         calibrate=not args.no_calibrate, handshake_s=args.handshake_s, out_dir=Path(args.out),
         plots=not args.no_plots, target_device=args.target_device, draft_device=args.draft_device, **preset)
 

@@ -15,7 +15,9 @@ from trtssd.models.engine_dir import engine_speculation
 log = logging.getLogger(__name__)
 
 
-TRTSSD_SYSTEMS = ("ar", "sd", "ssd")
+# sd and ssd speculate every round; "auto" is ssd under load control (trtssd/runtime/round_choice.py):
+# each round speculates or decodes plainly (on the draft's cores too), whichever measured faster.
+TRTSSD_SYSTEMS = ("ar", "sd", "ssd", "auto")
 HF_SYSTEMS = ("hf-greedy", "hf-assisted")
 # llama.cpp's llama-server on the engine's GGUF files: plain decoding, and with the draft GGUF.
 LLAMACPP_SYSTEMS = ("llama.cpp", "llama.cpp-sd")
@@ -49,6 +51,7 @@ class BenchConfig:
     # llama.cpp-sd's draft lengths (--spec-draft-n-max), one row each; empty: the same as ks.
     llamacpp_draft_max: tuple[int, ...] = ()
     shared_cores: bool = False  # trtssd ranks each get every core (threads = cores), shared
+    lend_draft_cores: str = "exact"  # RuntimeConfig.lend_draft_cores of the trtssd systems
     hf_target: str | None = None  # override: transformers source of the target (dir or .gguf)
     hf_draft: str | None = None  # override: transformers source of the assistant
     calibrate: bool = True  # time forward passes afterwards and compare the plan with the runs
@@ -101,7 +104,7 @@ class BenchConfig:
 class Instance:
     """One loaded system and the cells it runs (trtssd: one LLM per mode/K/budget)."""
 
-    system: str  # "ar", "sd", "ssd", "hf" (both transformers peers share the loaded models), "llama.cpp", "llama.cpp-sd"
+    system: str  # "ar", "sd", "ssd", "auto", "hf" (both transformers peers share the loaded models), "llama.cpp", "llama.cpp-sd"
     k: int | None
     budget: int | None
     keys: tuple[RunKey, ...]
@@ -112,10 +115,10 @@ def plan_instances(cfg: BenchConfig) -> list[Instance]:
     cfg = cfg.resolved()
     cells = []
     for system in cfg.systems:
-        ks = cfg.ks if system in ("sd", "ssd", "hf-assisted") else (None,)
+        ks = cfg.ks if system in ("sd", "ssd", "auto", "hf-assisted") else (None,)
         if system == "llama.cpp-sd":  # K = its draft length; each K is its own server
             ks = cfg.llamacpp_draft_max or cfg.ks
-        budgets = cfg.budgets if system == "ssd" else (None,)
+        budgets = cfg.budgets if system in ("ssd", "auto") else (None,)
         for k in ks:
             for budget in budgets:
                 cells += [RunKey(system, ds, b, t, k, budget)

@@ -19,12 +19,16 @@ log = logging.getLogger(__name__)
 class TrtssdRunner:
     """One LLM (one mode, K and fan-out budget); closed before the next is started."""
 
-    def __init__(self, cfg: BenchConfig, mode: str, k: int | None, budget: int | None, max_seq_len: int):
+    def __init__(self, cfg: BenchConfig, system: str, k: int | None, budget: int | None, max_seq_len: int):
         from trtssd.config import ModelRef
         from trtssd.llm import LLM
 
+        mode = "ssd" if system == "auto" else system
         options = dict(mode=mode, max_batch=max(cfg.batch_sizes), max_seq_len=max_seq_len,
-                       target_device=cfg.target_device, draft_device=cfg.draft_device)
+                       target_device=cfg.target_device, draft_device=cfg.draft_device,
+                       lend_draft_cores=cfg.lend_draft_cores)
+        if mode != "ar":
+            options.update(plain_under_load=system == "auto")
         if cfg.shared_cores:  # e.g. "sd given both cores": each rank runs on all of them in turn
             cores = tuple(sorted(os.sched_getaffinity(0)))
             options.update(target_threads=len(cores), draft_threads=len(cores), target_cores=cores, draft_cores=cores)

@@ -86,7 +86,8 @@ def run_benchmark(cfg: BenchConfig, command: str | None = None) -> "BenchReport"
     if hasattr(os, "getloadavg"):
         notes.append(f"load average (1 min) at start: {os.getloadavg()[0]:.2f}")
     notes.append("trtssd ranks: " + ("each on every core, shared (--shared-cores)" if cfg.shared_cores
-                                      else "one core each (target and draft pinned apart)"))
+                                      else "one core each (target and draft pinned apart)")
+                 + f"; plain rounds borrow the draft's cores: {cfg.lend_draft_cores}")
     with tqdm(total=total, desc="bench", unit="batch", file=sys.stderr) as progress:
         for inst in instances:
             progress.set_postfix_str(inst.system + (f" K={inst.k}" if inst.k else "") +

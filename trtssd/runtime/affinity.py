@@ -66,9 +66,10 @@ class CoreLending:
     count for multi-token forwards lend (the ggml executor: trtssd/backends/ggml_backend.py says
     what a one-token forward on several threads changes)."""
 
-    executor: Any  # has set_threads(n)
+    executor: Any  # has set_threads(n, split_single_rows)
     own: tuple[tuple[int, ...] | None, int]  # (cores, threads) of speculative rounds
     lent: tuple[tuple[int, ...] | None, int]  # (cores, threads) of plain rounds
+    split_single_rows: bool = False  # RuntimeConfig.lend_draft_cores "always"
     _applied: tuple[int, bool] | None = None  # (thread, plain) last applied
 
     def for_round(self, plain: bool) -> None:
@@ -79,15 +80,17 @@ class CoreLending:
             return
         cores, threads = self.lent if plain else self.own
         pin_thread("target rank", cores)
-        self.executor.set_threads(threads)
+        self.executor.set_threads(threads, self.split_single_rows)
         self._applied = key
 
 
 def core_lending(executor: Any, target_cores: Sequence[int] | None, target_threads: int,
-                 draft_cores: Sequence[int] | None, draft_threads: int) -> CoreLending | None:
+                 draft_cores: Sequence[int] | None, draft_threads: int,
+                 split_single_rows: bool = False) -> CoreLending | None:
     """The lending for a target executor, or None when it cannot lend (no set_threads, or no
     cores of the draft's own to borrow)."""
     if not hasattr(executor, "set_threads") or not target_cores or not draft_cores:
         return None
     lent = tuple(sorted(set(target_cores) | set(draft_cores)))
-    return CoreLending(executor, (tuple(target_cores), target_threads), (lent, target_threads + draft_threads))
+    return CoreLending(executor, (tuple(target_cores), target_threads), (lent, target_threads + draft_threads),
+                       split_single_rows)

@@ -21,11 +21,19 @@ arrival and departure, and a speculative round yields anything from 1 to K+1 tok
   the draft has not seen, and wait for pre-speculation to catch up: not the steady rate of
   speculation. Such *unsteady* rounds are not measured, and a try of speculation lasts until its
   steady rounds have been. Should unsteady rounds be all there is (a stream of arrivals), they
-  count after ``max_unsteady`` in a row.
+  count after ``max_unsteady`` in a row. Plain rounds are unsteady too while the draft still
+  pre-speculates for its last reply: they cannot borrow its cores yet
+  (trtssd/runtime/affinity.py), and a try measured then would undersell plain rounds for good.
+  That spell ends by itself, so such rounds are never measured and a try of plain rounds waits.
 - A batch size not yet measured borrows the answer of its neighbours, because speculation's
   advantage shrinks as the batch grows: where plain rounds won at a smaller batch they win here,
   where speculation won at a larger batch it wins here. Only a size with no such evidence is
   tried, speculation first.
+
+A try of the slower mode also waits until the decided mode has run ``quiet_per_try`` times as
+long as the last try took: rounds of the two modes may differ tenfold in length (a speculative
+round of K = 7 against a plain one), so a count of rounds alone would let tries of a slow mode
+take most of the time.
 
 Switching itself costs (those unsteady rounds), and running sums wander, so the mode of a batch
 size is decided when a try ends (the faster one wins); between tries it changes only when the
@@ -58,6 +66,8 @@ class _BatchSize:
     trying: bool | None = None  # the mode a pending try runs
     try_left: int = 0  # rows the try still needs measured
     try_spent: int = 0  # rounds the try has run, measured or not
+    try_s: float = 0.0  # seconds the pending (or last) try has run
+    since_probe_s: float = 0.0  # seconds of the decided mode since the last try
 
 
 @dataclass
@@ -66,8 +76,9 @@ class RoundChooser:
     max_probe_every: int = 512
     decay: float = 0.8  # weight of the past in the running sums
     speculative_try_rows: int = 4  # rows measured in a try of speculation (of plain rounds: one round)
-    max_unsteady: int = 4  # unsteady rounds in a row after which they are measured
+    max_unsteady: int = 8  # unsteady rounds in a row after which they are measured
     switch_margin: float = 0.25  # how much faster the other mode must be to switch to it on a batch change
+    quiet_per_try: float = 9.0  # seconds of the decided mode before the next try, per second of the last
     _by_batch: dict[int, _BatchSize] = field(default_factory=dict)
     _unsteady: int = 0  # unsteady rounds in a row
     _last: bool | None = None  # the mode of the last round
@@ -92,12 +103,14 @@ class RoundChooser:
             b.try_spent += 1
             # A try goes on until its rounds are measured; under a stream of arrivals they may
             # never be steady, and a try of the slower mode must not run for good.
-            if b.try_spent <= self._try_rounds(b.trying, batch) + self.max_unsteady or b.mode is None:
+            # A try of plain rounds waits out the draft's busy spell, which is bounded.
+            if (b.try_spent <= self._try_rounds(b.trying, batch) + self.max_unsteady or b.mode is None
+                    or not b.trying):
                 return b.trying
             self._end_try(b)
         b.since_probe += 1
-        if b.since_probe >= b.probe_every:
-            b.since_probe = 0
+        if b.since_probe >= b.probe_every and b.since_probe_s >= self.quiet_per_try * b.try_s:
+            b.since_probe, b.since_probe_s = 0, 0.0
             return self._start_try(b, not b.mode)
         if self._clearly_faster(b, not b.mode):  # the load changed since the last try
             b.mode, b.probe_every = not b.mode, self.min_probe_every
@@ -110,6 +123,13 @@ class RoundChooser:
         just started speculating (see the module docstring)."""
         if seconds <= 0:
             return
+        entry = self._entry(batch)
+        if entry.trying is not None and speculative == entry.trying:
+            entry.try_s += seconds
+        elif entry.trying is None:
+            entry.since_probe_s += seconds
+        if not speculative and not steady:
+            return  # the draft's cores were busy: its spell ends by itself, so never measured
         self._unsteady = 0 if steady else self._unsteady + 1
         if 0 < self._unsteady < self.max_unsteady:
             return
@@ -164,7 +184,7 @@ class RoundChooser:
         return -(-self._try_rows(speculative) // batch)
 
     def _start_try(self, b: _BatchSize, speculative: bool) -> bool:
-        b.trying, b.try_left, b.try_spent = speculative, self._try_rows(speculative), 0
+        b.trying, b.try_left, b.try_spent, b.try_s = speculative, self._try_rows(speculative), 0, 0.0
         return speculative
 
     def _end_try(self, b: _BatchSize) -> None:

@@ -164,6 +164,8 @@ class TargetLoop:
         self._last_verify_s = 0.0
         self.chooser = RoundChooser()
         self.lending = lending  # plain rounds (and prefill without a live draft) borrow the draft's cores
+        self._draft_busy_until = 0.0  # when the draft ends the pre-speculation it began after its last reply
+        self._last_prespec_s = 0.0
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -233,8 +235,12 @@ class TargetLoop:
             if self.speculating:
                 seq.on_draft = self.draft.send(P.Prefill(seq.seq_id, tuple(seq.prompt), seq.params))
             self.target.add_sequence(seq.seq_id)
+        t0 = time.perf_counter()
         logits = torch.cat([self.target.forward(group)[0] if len(group) == 1 else torch.cat(self.target.forward(group))
                             for group in self._prefill_groups(new)])  # [B, V]
+        if self.speculating:  # the draft prefills the same prompts, then pre-speculates their first round
+            now = time.perf_counter()
+            self._draft_busy_until = max(self._draft_busy_until, now + max(now - t0, self._last_prespec_s))
         first = sample(processed_probs(logits, [s.params for s in new]), [s.generator for s in new])
         for seq, tok in zip(new, first.tolist()):
             self.target.commit(seq.seq_id, len(seq.prompt))
@@ -268,11 +274,14 @@ class TargetLoop:
     def _ar_round(self, outputs: list[StepOutput]) -> None:
         """One plain target step for every running row: chosen by load control while the draft
         is there (its rows catch up through the next outcome), or because the draft is lost."""
-        if self.lending is not None:
-            self.lending.for_round(plain=True)
         t0 = time.perf_counter()
         seqs = self.running
         chosen = self.speculating
+        # Until the draft ends the pre-speculation of its last reply, its cores are busy: the
+        # round runs on the target's own and is not the steady rate of plain rounds.
+        steady = not chosen or t0 >= self._draft_busy_until
+        if self.lending is not None:
+            self.lending.for_round(plain=steady)
         if chosen and self._released:  # the draft waits for no request now: free its rows at once
             self.draft.send(P.Release(tuple(self._released)))
             self._released = []
@@ -285,7 +294,7 @@ class TargetLoop:
                 seq.metrics.degraded_rounds += 1
             self._emit(seq, [tok], outputs)
         if chosen:
-            self.chooser.observe(False, len(seqs), len(seqs), time.perf_counter() - t0)
+            self.chooser.observe(False, len(seqs), len(seqs), time.perf_counter() - t0, steady=steady)
 
     def _speculative_round(self, outputs: list[StepOutput]) -> None:
         seqs = [s for s in self.running if s.on_draft]
@@ -307,6 +316,8 @@ class TargetLoop:
             self.draft.mark_dead(f"reply to round {reply.round_id} while waiting for round {req.round_id}")
             raise PeerLost("the draft answered another round")
         t1 = time.perf_counter()
+        self._draft_busy_until = t1 + reply.prespec_time_s
+        self._last_prespec_s = reply.prespec_time_s
         k = self.spec.k
         result = self.verifier.verify(seqs, tokens, probs, reply.point_mass)
         t2 = time.perf_counter()

@@ -76,7 +76,7 @@ class RoundChooser:
     max_probe_every: int = 512
     decay: float = 0.8  # weight of the past in the running sums
     speculative_try_rows: int = 4  # rows measured in a try of speculation (of plain rounds: one round)
-    max_unsteady: int = 8  # unsteady rounds in a row after which they are measured
+    max_unsteady: int = 4  # unsteady rounds in a row after which they are measured
     switch_margin: float = 0.25  # how much faster the other mode must be to switch to it on a batch change
     quiet_per_try: float = 9.0  # seconds of the decided mode before the next try, per second of the last
     _by_batch: dict[int, _BatchSize] = field(default_factory=dict)

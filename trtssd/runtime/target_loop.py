@@ -277,9 +277,9 @@ class TargetLoop:
         t0 = time.perf_counter()
         seqs = self.running
         chosen = self.speculating
-        # Until the draft ends the pre-speculation of its last reply, its cores are busy: the
-        # round runs on the target's own and is not the steady rate of plain rounds.
-        steady = not chosen or t0 >= self._draft_busy_until
+        # Until the draft ends the pre-speculation of its last reply, its cores are busy: a round
+        # that would borrow them runs on the target's own and is not the steady rate of plain rounds.
+        steady = not chosen or self.lending is None or t0 >= self._draft_busy_until
         if self.lending is not None:
             self.lending.for_round(plain=steady)
         if chosen and self._released:  # the draft waits for no request now: free its rows at once

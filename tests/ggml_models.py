@@ -122,14 +122,17 @@ def _vocab(vocab_size: int) -> tuple[list[str], list[float], list[int]]:
 
 def write_tiny_gguf(path: str | Path, *, arch: str = "llama", vocab_size: int = 512, hidden: int = 64,
                     layers: int = 2, heads: int = 4, kv_heads: int = 2, intermediate: int = 128,
-                    context: int = 2048, seed: int = 0, tensor_type: str = "f32", scale: float = 0.02) -> Path:
+                    context: int = 2048, seed: int = 0, tensor_type: str = "f32", scale: float = 0.02,
+                    noise: float = 0.0, noise_seed: int = 1) -> Path:
     """Write a random-weight GGUF of ``arch`` ("llama" or "qwen2") to ``path`` and return it.
 
     ``tensor_type`` "f32" keeps every tensor float32; "q8_0" stores the 2-D matrices (embedding,
     projections, output) as Q8_0 (their rows, ``hidden`` and ``intermediate``, must divide by 32)
     and keeps norms and biases float32, as llama.cpp's own quantizer does. ``scale`` is the
     weights' standard deviation: at 0.02 the logits are small (std about 0.2), so a test that
-    needs a decisive argmax may want a larger one.
+    needs a decisive argmax may want a larger one. ``noise``: Gaussian noise of this standard
+    deviation (drawn with ``noise_seed``) added to every tensor, so a draft written with the
+    target's ``seed`` agrees with it often but not always.
 
     llama.cpp needs: tokenizer.ggml.model and tokenizer.ggml.tokens (the vocabulary), and
     {arch}.context_length, .embedding_length, .block_count, .feed_forward_length,
@@ -148,6 +151,9 @@ def write_tiny_gguf(path: str | Path, *, arch: str = "llama", vocab_size: int = 
         raise ValueError("q8_0 needs hidden and intermediate divisible by 32 (its block size)")
     tensors = tiny_gguf_tensors(arch=arch, vocab_size=vocab_size, hidden=hidden, layers=layers, heads=heads,
                                 kv_heads=kv_heads, intermediate=intermediate, seed=seed, scale=scale)
+    if noise:
+        rng = np.random.default_rng(noise_seed)
+        tensors = {name: (v + noise * rng.standard_normal(v.shape)).astype(v.dtype) for name, v in tensors.items()}
     path = Path(path)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{arch}-{tensor_type}-seed{seed}")

@@ -43,6 +43,28 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
     return target, draft
 
 
+@pytest.fixture(scope="module")
+def ggml_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """A target (a GGUF, converted by transformers to the torch backend's weights) and its draft
+    on the ggml backend: the same GGUF with noise, so llama.cpp's kernels make the q' rows."""
+    pytest.importorskip("llama_cpp")
+    from transformers import LlamaForCausalLM
+
+    from ggml_models import write_tiny_gguf
+
+    root = tmp_path_factory.mktemp("gguf8")
+    write_tiny_gguf(root / "target.gguf", vocab_size=VOCAB, seed=11, scale=0.3)
+    loaded = LlamaForCausalLM.from_pretrained(str(root), gguf_file="target.gguf")
+    config = loaded.config
+    if hasattr(config, "quantization_config"):  # transformers marks a GGUF-loaded model as unsaveable
+        del config.quantization_config
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(loaded.state_dict())
+    model.save_pretrained(root / "target")
+    draft = write_tiny_gguf(root / "draft.gguf", vocab_size=VOCAB, seed=11, scale=0.3, noise=0.05, noise_seed=12)
+    return root / "target", draft
+
+
 def _exact_joints(target_dir: Path) -> list[np.ndarray]:
     """joints[L] = P(t_1..t_L) as an array [V]*L under plain sampling with SAMPLED, L = 1..DEPTH,
     by enumerating every continuation with transformers' implementation of the target."""
@@ -98,12 +120,12 @@ def _ship_plain_q_from_the_tree(worker) -> None:
     worker._sample, worker._tree = mutated_sample, marked_tree
 
 
-def _run(pair, mutate: bool):
+def _run(pair, mutate: bool, draft_ref: ModelRef | None = None):
     """N sampled requests in batches that also hold greedy rows; returns (sampled tokens [N,
     DEPTH], greedy outputs, share of the checked sampled tokens that hit rounds produced)."""
     target, draft = pair
     torch.manual_seed(0)  # unseeded requests: the draft keeps Saguaro's skew (seeded rows do not)
-    with LLM(target=ModelRef(str(target)), draft=ModelRef(str(draft)), mode="ssd", k=1, launch="local",
+    with LLM(target=ModelRef(str(target)), draft=draft_ref or ModelRef(str(draft)), mode="ssd", k=1, launch="local",
              fanout=(2, 6), backup="neural", saguaro_c=0.3, plain_under_load=False, max_batch=16, max_seq_len=32) as llm:
         if mutate:
             _ship_plain_q_from_the_tree(llm.loop.draft.server.worker)
@@ -128,6 +150,22 @@ def test_hits_carry_the_checked_tokens_and_the_output_is_exact(pair):
     check = _check(sampled, joints)
     assert check.ok, check
     with LLM(target=ModelRef(str(pair[0])), mode="ar", max_seq_len=32, launch="local") as llm:
+        ref = llm.generate([PROMPT], GREEDY)[0].token_ids
+    assert all(g == ref for g in greedy)
+
+
+def test_a_ggml_draft_keeps_the_output_exact(ggml_pair):
+    """The same check with the draft on llama.cpp: the q' rows it ships are the ones it sampled
+    from, whatever its kernels' numerics. (The q/q' drift mutant below is not caught with this
+    pair at this N: its draft's q and q' are closer than the torch pair's; the mutant tests the
+    worker's logic, which is the same for both backends.)"""
+    target, draft = ggml_pair
+    joints = _exact_joints(target)
+    sampled, greedy, hit_share = _run((target, None), False, draft_ref=ModelRef(str(draft), backend="ggml"))
+    assert hit_share > 0.5, hit_share
+    check = _check(sampled, joints)
+    assert check.ok, check
+    with LLM(target=ModelRef(str(target)), mode="ar", max_seq_len=32, launch="local") as llm:
         ref = llm.generate([PROMPT], GREEDY)[0].token_ids
     assert all(g == ref for g in greedy)
 

@@ -67,7 +67,7 @@ _UBATCH = 512  # tokens per llama.cpp micro-batch (its compute buffer is sized f
 _TILE = 64  # llama.cpp's CPU flash attention tiles forwards of this many tokens and more
 _PROMPT_CUT = 512  # a long chain is cut at positions that are multiples of this
 _COMPACT_AFTER = 256  # trashed cells that trigger a compaction
-_SPLIT_FROM = 257  # cache cells from which llama.cpp splits a one-token forward's keys across threads
+_SPLIT_AFTER = 256  # with more cells than this, llama.cpp splits a one-token forward's keys across threads
 
 _init_lock = threading.Lock()
 _initialized = False
@@ -389,7 +389,7 @@ class GgmlExecutor:
         for a, b in _pieces(len(short), _TILE - 1):
             entries = [e for _, e in short[a:b]]
             padded = (len(entries) == 1 and self.threads > 1 and not self.split_single_rows
-                      and self._allocated >= _SPLIT_FROM - 1)
+                      and self._allocated + 1 > _SPLIT_AFTER)
             if padded:  # a filler token beside it: two rows are not split across threads
                 entries.append((0, 0, self._filler, False))
             rows.append((short[a][0], self._decode(entries)))
@@ -524,8 +524,6 @@ def _chain_steps(mask: np.ndarray, region_slots: list[int], positions: list[int]
     same = (mask[1:] == expected).all(axis=1)
     steps = np.diff(np.asarray(positions)) == 1
     return (same & steps).tolist()
-
-
 
 
 def _pieces(n: int, size: int) -> list[tuple[int, int]]:

@@ -123,17 +123,16 @@ class RoundChooser:
         just started speculating (see the module docstring)."""
         if seconds <= 0:
             return
-        entry = self._entry(batch)
-        if entry.trying is not None and speculative == entry.trying:
-            entry.try_s += seconds
-        elif entry.trying is None:
-            entry.since_probe_s += seconds
+        b = self._entry(batch)
+        if b.trying is None:
+            b.since_probe_s += seconds
+        elif speculative == b.trying:
+            b.try_s += seconds
         if not speculative and not steady:
             return  # the draft's cores were busy: its spell ends by itself, so never measured
         self._unsteady = 0 if steady else self._unsteady + 1
         if 0 < self._unsteady < self.max_unsteady:
             return
-        b = self._entry(batch)
         if b.trying is not None and speculative != b.trying:
             return  # a try of the other mode is pending; this round (chosen elsewhere) is not it
         rate = b.rates.get(speculative)

@@ -229,8 +229,7 @@ class TargetLoop:
             # Free the draft's rows of finished sequences before it must hold the new ones.
             self.draft.send(P.Release(tuple(self._released)))
             self._released = []
-        if self.lending is not None:
-            self.lending.for_round(plain=not self.speculating)
+        self._take_cores(plain=not self.speculating)
         for seq in new:
             if self.speculating:
                 seq.on_draft = self.draft.send(P.Prefill(seq.seq_id, tuple(seq.prompt), seq.params))
@@ -262,6 +261,11 @@ class TargetLoop:
         groups.append(current)
         return groups
 
+    def _take_cores(self, plain: bool) -> None:
+        """The cores of the coming forwards: the draft's too for plain ones (if lent)."""
+        if self.lending is not None:
+            self.lending.for_round(plain)
+
     def _speculate_now(self) -> bool:
         """Load control (SpeculativeConfig.plain_under_load): speculate unless plain rounds have
         measured faster at this batch size. A seeded sampled row keeps the batch speculating:
@@ -280,8 +284,7 @@ class TargetLoop:
         # Until the draft ends the pre-speculation of its last reply, its cores are busy: a round
         # that would borrow them runs on the target's own and is not the steady rate of plain rounds.
         steady = not chosen or self.lending is None or t0 >= self._draft_busy_until
-        if self.lending is not None:
-            self.lending.for_round(plain=steady)
+        self._take_cores(plain=steady)
         if chosen and self._released:  # the draft waits for no request now: free its rows at once
             self.draft.send(P.Release(tuple(self._released)))
             self._released = []
@@ -303,8 +306,7 @@ class TargetLoop:
         # A row's first speculative rounds (after admission or plain rounds) miss, glue, and
         # wait for pre-speculation to catch up: not the steady rate of speculation.
         steady = all(s.spec_streak >= STEADY_AFTER_ROUNDS for s in seqs)
-        if self.lending is not None:
-            self.lending.for_round(plain=False)
+        self._take_cores(plain=False)
         t0 = time.perf_counter()
         buffer = self._round % 2
         req = P.SpeculateRequest(self._round, tuple(s.outcome for s in seqs), buffer, self._last_verify_s,

@@ -16,11 +16,11 @@ PROMPT = [1, 17, 300, 42, 5, 511, 260, 99, 3, 128]
 
 @pytest.fixture(scope="module")
 def quiet_llama():
-    """llama.cpp's log silenced; the callback must stay referenced while llama.cpp may call it."""
-    cb = llama_cpp.llama_log_callback(lambda level, text, user: None)
-    llama_cpp.llama_log_set(cb, None)
-    llama_cpp.llama_backend_init()
-    yield cb
+    """llama.cpp initialised as trtssd does it (its log goes to ``logging``). A callback of this
+    module's own would be freed with the module while llama.cpp still calls it."""
+    from trtssd.backends.ggml_backend import llama_library
+
+    return llama_library()
 
 
 def run_prompt(path, tokens) -> tuple[int, np.ndarray]:

@@ -75,8 +75,10 @@ _log_callback = None  # kept referenced: llama.cpp calls it from C
 _quiet = [None]  # a load-progress callback that prints nothing (the default prints dots to stderr)
 
 
-def _llama():
-    """llama_cpp, initialised once per process with its log routed to ``logging``."""
+def llama_library():
+    """llama_cpp, initialised once per process with its log routed to ``logging``. Code that
+    calls llama.cpp directly in this process starts here too: llama.cpp keeps one log callback per
+    process, and one set elsewhere and then freed crashes the next model load."""
     global _initialized, _log_callback
     import llama_cpp
 
@@ -145,7 +147,7 @@ class GgmlExecutor:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
-        self._L = L = _llama()
+        self._L = L = llama_library()
         self.max_seqs, self.max_seq_len, self.max_batch_tokens = max_seqs, max_seq_len, max_batch_tokens
         self.threads = threads or torch.get_num_threads()
         self.split_single_rows = False

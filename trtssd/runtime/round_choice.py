@@ -11,12 +11,13 @@ speed, never the output distribution.
 Three things keep the measurements honest under serving, where the batch size changes with every
 arrival and departure, and a speculative round yields anything from 1 to K+1 tokens per row:
 
-- A rate is the ratio of running sums (tokens over seconds), and a try of speculation lasts
-  until ``speculative_try_rows`` rows have been measured (4 rounds of one row, 1 of four: a
-  round's yield is a sum over its rows; a plain round always yields one token per row, so one
-  round measures it). A single speculative round's tokens/s at batch 1 is noise: taken as the verdict, one early
-  rejection sent a batch of one to plain rounds for most of a run on the Qwen pair, where
-  speculation was 1.7x faster.
+- A rate is the ratio of running sums (tokens over seconds), and a try lasts until
+  ``speculative_try_rows`` (or ``plain_try_rows``) rows have been measured (4 rounds of one row,
+  1 of four: a round's yield is a sum over its rows). A single round's tokens/s at batch 1 is
+  noise: taken as the verdict, one early rejection sent a batch of one to plain rounds for most
+  of a run on the Qwen pair, where speculation was 1.7x faster, and one slow plain round sent
+  the default ggml engine to speculation for the rest of a run where plain rounds were 1.6x
+  faster. Plain rounds are short, so their tries measure more rows.
 - A row's first speculative rounds (just admitted, or back from plain rounds) miss, glue what
   the draft has not seen, and wait for pre-speculation to catch up: not the steady rate of
   speculation. Such *unsteady* rounds are not measured, and a try of speculation lasts until its
@@ -75,7 +76,8 @@ class RoundChooser:
     min_probe_every: int = 16  # rounds between tries of the slower mode, after a flip
     max_probe_every: int = 512
     decay: float = 0.8  # weight of the past in the running sums
-    speculative_try_rows: int = 4  # rows measured in a try of speculation (of plain rounds: one round)
+    speculative_try_rows: int = 4  # rows measured in a try of speculation
+    plain_try_rows: int = 8  # rows measured in a try of plain rounds
     max_unsteady: int = 4  # unsteady rounds in a row after which they are measured
     switch_margin: float = 0.25  # how much faster the other mode must be to switch to it on a batch change
     quiet_per_try: float = 9.0  # seconds of the decided mode before the next try, per second of the last
@@ -175,8 +177,8 @@ class RoundChooser:
         return mode != than and b.rates[mode].value > (1 + self.switch_margin) * b.rates[than].value
 
     def _try_rows(self, speculative: bool) -> int:
-        """Rows a try of a mode measures (a plain round's yield is fixed: one round will do)."""
-        return self.speculative_try_rows if speculative else 1
+        """Rows a try of a mode measures."""
+        return self.speculative_try_rows if speculative else self.plain_try_rows
 
     def _try_rounds(self, speculative: bool, batch: int) -> int:
         """Measured rounds a try of a mode takes at a batch size."""

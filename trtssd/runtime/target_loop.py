@@ -229,15 +229,16 @@ class TargetLoop:
             # Free the draft's rows of finished sequences before it must hold the new ones.
             self.draft.send(P.Release(tuple(self._released)))
             self._released = []
-        self._take_cores(plain=not self.speculating)
+        to_draft = self.speculating and self._draft_prefills_now(len(self.running) + len(new))
+        self._take_cores(plain=not to_draft)
         for seq in new:
-            if self.speculating:
-                seq.on_draft = self.draft.send(P.Prefill(seq.seq_id, tuple(seq.prompt), seq.params))
+            if to_draft:
+                self._prefill_on_draft(seq)
             self.target.add_sequence(seq.seq_id)
         t0 = time.perf_counter()
         logits = torch.cat([self.target.forward(group)[0] if len(group) == 1 else torch.cat(self.target.forward(group))
                             for group in self._prefill_groups(new)])  # [B, V]
-        if self.speculating:  # the draft prefills the same prompts, then pre-speculates their first round
+        if to_draft:  # the draft prefills the same prompts, then pre-speculates their first round
             now = time.perf_counter()
             self._draft_busy_until = max(self._draft_busy_until, now + max(now - t0, self._last_prespec_s))
         first = sample(processed_probs(logits, [s.params for s in new]), [s.generator for s in new])
@@ -247,6 +248,15 @@ class TargetLoop:
             seq.outcome = P.Outcome(seq.seq_id, 0, tok)
             self.running.append(seq)
             self._emit(seq, [tok], outputs)
+
+    def _draft_prefills_now(self, batch: int) -> bool:
+        """Whether the draft prefills new sequences beside the target. Not where load control has
+        decided plain rounds at this batch size: the prefill then borrows the draft's cores, and
+        the draft learns of a sequence when it first speculates (its plain tokens are glued then)."""
+        return not (self.spec.plain_under_load and self.chooser.choice(batch) is False)
+
+    def _prefill_on_draft(self, seq: Sequence) -> None:
+        seq.on_draft = self.draft.send(P.Prefill(seq.seq_id, tuple(seq.prompt), seq.params))
 
     def _prefill_groups(self, seqs: list[Sequence]) -> list[list]:
         """Prompt chunks grouped so no forward exceeds the executor's token budget."""
@@ -300,6 +310,9 @@ class TargetLoop:
             self.chooser.observe(False, len(seqs), len(seqs), time.perf_counter() - t0, steady=steady)
 
     def _speculative_round(self, outputs: list[StepOutput]) -> None:
+        for seq in self.running:
+            if not seq.on_draft:  # admitted under plain rounds: the draft prefills it now
+                self._prefill_on_draft(seq)
         seqs = [s for s in self.running if s.on_draft]
         if len(seqs) != len(self.running):
             raise PeerLost("some sequences are unknown to the draft")

@@ -35,6 +35,8 @@ if TYPE_CHECKING:  # the real module only through require_mpi: importing it runs
 
 log = logging.getLogger(__name__)
 
+MAX_POLL_INTERVAL_S = 0.005  # the longest sleep between polls of a long wait
+
 
 def require_mpi(what: str):
     """The mpi4py MPI module, or a clear error saying what needed it.
@@ -77,7 +79,8 @@ class Channel:
     ) -> object:
         """Wait for a message without spinning; PeerLost on timeout or when ``alive()`` turns
         False (checked between polls, so a dead peer is noticed within a poll interval)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = None if timeout_s is None else start + timeout_s
         spins = 0
         while not self.comm.iprobe(source=self.peer, tag=tag):
             if deadline is not None and time.monotonic() > deadline:
@@ -85,10 +88,17 @@ class Channel:
             spins += 1
             if spins % 64 == 0 and not alive():
                 raise PeerLost(f"rank {self.peer} exited")
-            # A short spin first keeps the hand-off latency low when the answer is imminent.
+            # A short spin first keeps the hand-off latency low when the answer is imminent; a
+            # long wait (a draft idle through plain rounds) polls less often, since each wake-up
+            # takes a slice of a core the target may be borrowing (trtssd/runtime/affinity.py).
             if spins > 20:
-                time.sleep(self.poll_interval_s)
+                time.sleep(self._interval(time.monotonic() - start))
         return self.comm.recv(source=self.peer, tag=tag)
+
+    def _interval(self, waited_s: float) -> float:
+        """The sleep between polls after waiting ``waited_s``: a message is noticed within a
+        fiftieth of the wait so far (at least ``poll_interval_s``, at most MAX_POLL_INTERVAL_S)."""
+        return min(MAX_POLL_INTERVAL_S, max(self.poll_interval_s, waited_s / 50))
 
 
 class RoundBuffers(Protocol):

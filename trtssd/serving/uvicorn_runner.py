@@ -27,6 +27,10 @@ def bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    # Listening from here on: a client that connects as soon as the address is logged waits in the
+    # backlog until uvicorn accepts (uvicorn would only listen once its start-up is done, and such
+    # a client was refused).
+    sock.listen(2048)
     return sock
 
 

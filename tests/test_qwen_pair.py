@@ -304,3 +304,40 @@ def test_pair_on_ggml_greedy_speculative_equals_ar():
         assert outs[mode] == outs["ar"], mode
         assert summaries[mode]["degraded_rounds"] == 0 and summaries[mode]["mean_acceptance_length"] > 1.5
     assert summaries["ssd"]["cache_hits"] > 0
+
+
+def test_k_quant_rows_bit_identical_in_a_batch_of_verify_chains():
+    """A Q4_K_M target: llama.cpp multiplies K-quant weights with another kernel in forwards of 8
+    tokens or more. Four rows decoded one token per forward must equal the same rows verified as
+    four 4-token chains in one forward (16 tokens), bit for bit."""
+    from trtssd.backends.ggml_backend import GgmlExecutor
+
+    ggml_engine = build_engine(ENGINE, default_cache_dir() / "test-engines", backend="ggml", progress=False)
+    path = ggml_engine / load_manifest(ggml_engine)["target"]["path"]
+    prompts = [[(i * 7919 + s * 104729) % 40000 + 100 for i in range(40 + 3 * s)] for s in range(4)]
+
+    def prefilled() -> tuple[GgmlExecutor, list[int]]:
+        ex = GgmlExecutor(path, max_seqs=4, max_seq_len=256, threads=2)
+        for s in range(4):
+            ex.add_sequence(s)
+        outs = ex.forward([chain_chunk(s, p, 0, last_logits_only=True) for s, p in enumerate(prompts)])
+        for s, p in enumerate(prompts):
+            ex.commit(s, len(p))
+        return ex, [int(o[-1].argmax()) for o in outs]
+
+    ex, first = prefilled()
+    tokens, rows = [[t] for t in first], [[] for _ in range(4)]
+    for _ in range(12):
+        outs = ex.forward([chain_chunk(s, tokens[s][-1:], ex.committed(s)) for s in range(4)])
+        for s in range(4):
+            ex.commit(s, 1)
+            rows[s].append(outs[s][-1])
+            tokens[s].append(int(outs[s][-1].argmax()))
+    ex.close()
+    ex, _ = prefilled()
+    for start in range(0, 12, 4):
+        outs = ex.forward([chain_chunk(s, tokens[s][start:start + 4], ex.committed(s)) for s in range(4)])
+        for s in range(4):
+            assert torch.equal(outs[s], torch.stack(rows[s][start:start + 4])), (s, start)
+            ex.commit(s, 4)
+    ex.close()

@@ -32,7 +32,11 @@ setting; tests/test_ggml_backend.py checks each, so an upgrade that breaks one f
 - A forward of 64 tokens or more runs a tiled attention whose sums group keys by 64-cell tiles:
   such a chain (a prompt) starts at a cell whose index is its position modulo 64 (a few *filler*
   tokens, trashed at once, pad the cache up to it) and is cut at fixed positions (multiples of
-  512). Every other forward goes to llama.cpp in pieces of at most 63 tokens.
+  512). Every other forward goes to llama.cpp in pieces of at most 7 tokens: from 8 tokens on,
+  llama.cpp multiplies K-quant and IQ weights (Q4_K_M files, and the Q6_K output matrix most
+  quantized files carry) with a tiled kernel whose sums differ from its one-row kernel's by up to
+  0.5 in a logit (measured on the Qwen2.5-Coder 1.5B Q4_K_M target); pieces of 2 to 7 tokens keep
+  every row on the one-row kernel, whatever the batch.
 - A one-token forward on two or more threads splits a long cache (past 256 cells, where the
   attention's key view reaches 512) across the threads, and its sums change: the pieces above
   never hold a single token, and a forward of one token over a long cache (a plain round of one
@@ -64,6 +68,7 @@ MAX_LANES = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence ids per context
 _FLASH_ATTN_ENABLED = 1  # llama_flash_attn_type: LLAMA_FLASH_ATTN_TYPE_ENABLED
 _MIN_CELLS = 1024
 _UBATCH = 512  # tokens per llama.cpp micro-batch (its compute buffer is sized for it)
+_SHORT_PIECE = 7  # the most tokens of a forward below llama.cpp's tiled K-quant matmul (ggml-cpu/tiled: 8)
 _TILE = 64  # llama.cpp's CPU flash attention tiles forwards of this many tokens and more
 _PROMPT_CUT = 512  # a long chain is cut at positions that are multiples of this
 _COMPACT_AFTER = 256  # trashed cells that trigger a compaction
@@ -375,7 +380,7 @@ class GgmlExecutor:
 
     def _decode_invariant(self, per_chunk: list[list[tuple[int, int, int, bool]]]) -> torch.Tensor:
         """The forward as llama.cpp decodes it row-invariantly (module docstring): long chains
-        alone, aligned and cut at fixed positions; the rest in pieces of 2 to 63 tokens. Logits
+        alone, aligned and cut at fixed positions; the rest in pieces of 2 to 7 tokens. Logits
         rows come back in entry order."""
         rows: list[tuple[int, torch.Tensor]] = []  # (first entry index, logits rows) per decode
         short: list[tuple[int, tuple]] = []
@@ -388,7 +393,7 @@ class GgmlExecutor:
             else:
                 short += [(start + i, e) for i, e in enumerate(entries)]
             start += len(entries)
-        for a, b in _pieces(len(short), _TILE - 1):
+        for a, b in _pieces(len(short), _SHORT_PIECE):
             entries = [e for _, e in short[a:b]]
             padded = (len(entries) == 1 and self.threads > 1 and not self.split_single_rows
                       and self._allocated + 1 > _SPLIT_AFTER)

@@ -12,12 +12,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
 from tiny_models import make_tiny_llama, make_tiny_pair
 from trtssd import LLM, ModelRef, SamplingParams
-from trtssd.runtime.processes import open_files
+from trtssd.runtime.processes import mapped_segments, open_files, start_time
 from trtssd.sampling import processed_probs
 
 pytestmark = pytest.mark.mpi
@@ -46,27 +47,16 @@ def _shm_segments() -> set[str]:
     return {os.path.basename(p) for p in glob.glob("/dev/shm/trtssd-*") + glob.glob("/dev/shm/mpich_*")}
 
 
-def _mapped_by(pid: int | str) -> set[str]:
-    """The /dev/shm names process ``pid`` maps."""
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return set()  # the process ended meanwhile
-    return {line.split("/dev/shm/", 1)[1] for line in lines if "/dev/shm/" in line}
-
-
 def _in_use_segments() -> set[str]:
     """Segments in use, not leaked: those other live processes map (other programs' while they
     run) and this process's own MPI segment (MPICH removes it in MPI_Finalize, at exit)."""
-    others = [maps.split("/")[2] for maps in glob.glob("/proc/[0-9]*/maps") if maps.split("/")[2] != str(os.getpid())]
-    own_mpi = {n for n in _mapped_by(os.getpid()) if n.startswith("mpich_")}
-    return own_mpi.union(*(_mapped_by(pid) for pid in others))
+    own_mpi = mapped_segments(os.getpid(), ("mpich_",))
+    return own_mpi.union(*(mapped_segments(pid, ("",)) for pid in psutil.pids() if pid != os.getpid()))
 
 
 def _draft_segments(draft_pid: int) -> set[str]:
     """The draft rank's segments: our buffers and its MPICH segment (checked to exist)."""
-    segments = _mapped_by(draft_pid) & _shm_segments()
+    segments = mapped_segments(draft_pid, ("",)) & _shm_segments()
     assert any(n.startswith("trtssd-") for n in segments), segments  # the buffers are real shared memory
     assert any(n.startswith("mpich_shm_") for n in segments), segments  # the draft job's own MPI segment
     return segments
@@ -80,7 +70,7 @@ def _hydra_files() -> set[str]:
 
 def _open_hydra_files() -> set[str]:
     """Hydra files some live process (another job's mpiexec or proxy) still holds open."""
-    return set().union(*(open_files(int(pid), ("hydra_hwloc_xmlfile_",)) for pid in os.listdir("/proc") if pid.isdigit()))
+    return set().union(*(open_files(pid, ("hydra_hwloc_xmlfile_",)) for pid in psutil.pids()))
 
 
 @pytest.fixture(autouse=True)
@@ -95,50 +85,21 @@ def no_leaked_shared_memory():
     assert not leaked_files, f"MPICH hydra files left behind: {sorted(leaked_files)}"
 
 
-def _parents() -> dict[int, int]:
-    parents = {}
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            with open(stat) as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(stat.split("/")[2])] = int(fields[1])
-    return parents
-
-
 def _draft_job(draft_pid: int, target_pid: int | None = None) -> set[int]:
     """Every process of the draft's MPI job: the rank, its children and its ancestors below the
     target process (hydra_pmi_proxy, mpiexec); the target is this process unless given."""
     target_pid = target_pid or os.getpid()
-    parents = _parents()
-    job, pid = set(), draft_pid
-    while pid in parents and pid != target_pid:
-        job.add(pid)
-        pid = parents[pid]
-    assert pid == target_pid, "the draft job is not a child of the target"
-    todo = [draft_pid]
-    while todo:
-        pid = todo.pop()
-        children = [c for c, parent in parents.items() if parent == pid]
-        job.update(children)
-        todo.extend(children)
+    rank = psutil.Process(draft_pid)
+    ancestors = [p.pid for p in rank.parents()]
+    assert target_pid in ancestors, "the draft job is not a child of the target"
+    job = {draft_pid, *ancestors[:ancestors.index(target_pid)], *(c.pid for c in rank.children(recursive=True))}
     assert len(job) >= 3, job  # at least mpiexec, hydra_pmi_proxy and the rank
     return job
 
 
 def _running(pids: set[int]) -> set[int]:
     """Those of ``pids`` still running or stopped (a zombie has ended: it only awaits its reaper)."""
-    alive = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state not in "ZX":
-            alive.add(pid)
-    return alive
+    return {pid for pid in pids if start_time(pid) is not None}
 
 
 def _kill(pids: set[int]) -> None:
@@ -393,7 +354,7 @@ def test_killed_target_takes_its_draft_job_along(tiny, tmp_path):
     try:
         draft_pid = int(proc.stdout.readline())
         job = _draft_job(draft_pid, proc.pid)
-        segments = _draft_segments(draft_pid) | {n for n in _mapped_by(proc.pid) if n.startswith("mpich_")}
+        segments = _draft_segments(draft_pid) | mapped_segments(proc.pid, ("mpich_",))
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + 30

@@ -10,9 +10,9 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from tiny_models import make_tiny_llama
@@ -83,8 +83,8 @@ def _is_draft_job(pid: int) -> bool:
     """mpiexec, hydra's proxy or the draft rank (not, e.g., a resource tracker that exits after
     its parent)."""
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
+        cmdline = " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
         return False
     return any(name in cmdline for name in ("mpiexec", "hydra_pmi_proxy", "trtssd.runtime.draft_rank"))
 

@@ -212,7 +212,7 @@ def server_test(test):
     return needs_triton(pytest.mark.slow(pytest.mark.mpi(test)))
 
 
-def _segments_and_processes(root: int) -> tuple[dict[int, int], set[str]]:
+def _segments_and_processes(root: int) -> tuple[dict[int, float], set[str]]:
     pids = {pid: start_time(pid) for pid in [root, *descendants(root)]}
     segments = set().union(*(mapped_segments(pid, SHM_PREFIXES) for pid in pids))
     return {p: s for p, s in pids.items() if s is not None}, segments

@@ -12,11 +12,11 @@ default: the runtime's sampling, verification and Saguaro math runs there).
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import psutil
 import torch
 
 from trtssd.backends.base import CapacityError, Chunk, check_chunk, chunk_sequences, find_sequence
@@ -37,14 +37,7 @@ def available_memory_bytes(device: torch.device) -> int:
     """Free memory on the device now: CUDA's free bytes, or the OS's MemAvailable on CPU."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return psutil.virtual_memory().available
 
 
 def kv_bytes(cfg: ModelConfig, dtype: torch.dtype, max_seqs: int, max_seq_len: int) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+import psutil
 
 from trtssd.bench.config import BenchConfig
 from trtssd.bench.records import RunResult
@@ -93,14 +94,8 @@ def write_json(path: Path | None, data: dict) -> None:
     log.info("wrote %s", path)
 
 
-def _memory_gib() -> float | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    return None
+def _memory_gib() -> float:
+    return round(psutil.virtual_memory().total / 2**30, 1)
 
 
 def _git_commit() -> str | None:

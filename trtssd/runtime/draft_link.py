@@ -70,7 +70,7 @@ class DraftJob:
 
     ``mpiexec`` starts ``hydra_pmi_proxy``, which starts the python rank; hydra puts each in a new
     session, so neither a process-group kill nor killing mpiexec reaches a rank that is stopped
-    or hung: the job's processes are found below mpiexec in /proc and killed one by one.
+    or hung: the job's processes are found below mpiexec and killed one by one.
 
     Every MPICH process creates a 1 MiB segment /dev/shm/mpich_shm_<job hash>_<node> in MPI_Init
     and removes it in MPI_Finalize; a rank that is killed never gets there. The segments the
@@ -83,7 +83,7 @@ class DraftJob:
 
     def __init__(self, process: subprocess.Popen):
         self.process = process  # mpiexec
-        self._processes: dict[int, int] = {}  # pid -> start time (a pid reused later is not ours)
+        self._processes: dict[int, float] = {}  # pid -> start time (a pid reused later is not ours)
         self._segments: set[str] = set()  # MPICH's /dev/shm names mapped by the job
         self._files: set[str] = set()  # hydra's temporary files held open by the job
         self._own_segments = _mapped_mpich_segments(os.getpid())  # this process's MPI: never ours to remove
@@ -119,7 +119,7 @@ class DraftJob:
             except ProcessLookupError:
                 pass
         if self.process.poll() is None:
-            self.process.kill()  # without /proc nothing was recorded: mpiexec at least
+            self.process.kill()  # where nothing was recorded: mpiexec at least
         self.process.wait()  # mpiexec is our child: reap it
         deadline = time.monotonic() + KILL_WAIT_S
         while self._live_processes() and time.monotonic() < deadline:

@@ -1,78 +1,54 @@
-"""What /proc says about a process: its start time (so a reused pid is never mistaken for the
-one we started), the processes below it, the /dev/shm segments it maps and the files it holds
-open. Used to find and clean up after the processes we start (the draft's MPI job,
-tritonserver), their segments and their temporary files. On a system without /proc every
-answer is empty."""
+"""What the system says about a process, through psutil: its start time (so a reused pid is never
+mistaken for the one we started), the processes below it, the /dev/shm segments it maps and the
+files it holds open. Used to find and clean up after the processes we start (the draft's MPI
+job, tritonserver), their segments and their temporary files. A process that is gone, or that we
+may not inspect, gives empty answers."""
 
 from __future__ import annotations
 
 import os
 
+import psutil
+
 SHM_DIR = "/dev/shm/"
+_UNSEEN = (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess)
 
 
-def start_time(pid: int) -> int | None:
-    """Process start time (clock ticks since boot); None when gone or a zombie."""
+def start_time(pid: int) -> float | None:
+    """Process start time (seconds since the epoch); None when gone or a zombie."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # the command name may hold spaces
-    except OSError:
+        process = psutil.Process(pid)
+        if process.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return None
+        return process.create_time()
+    except _UNSEEN:
         return None
-    return None if fields[0] in "ZX" else int(fields[19])
 
 
 def descendants(root: int) -> list[int]:
     """Every process below ``root``."""
-    children: dict[int, list[int]] = {}
     try:
-        entries = os.listdir("/proc")
-    except OSError:
+        return [child.pid for child in psutil.Process(root).children(recursive=True)]
+    except _UNSEEN:
         return []
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # gone meanwhile
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, []))
-    return found
 
 
 def mapped_segments(pid: int, prefixes: tuple[str, ...]) -> set[str]:
     """Names of the /dev/shm segments starting with one of ``prefixes`` that ``pid`` maps."""
     try:
-        with open(f"/proc/{pid}/maps") as f:
-            lines = f.read().splitlines()
-    except OSError:
+        maps = psutil.Process(pid).memory_maps(grouped=True)
+    except _UNSEEN:
         return set()
-    names = set()
-    for line in lines:
-        path = line.split(maxsplit=5)[-1]
-        name = path[len(SHM_DIR):]
-        if path.startswith(SHM_DIR) and name.startswith(prefixes) and not path.endswith("(deleted)"):
-            names.add(name)
-    return names
+    # psutil strips the " (deleted)" mark of an unlinked file, so whether it still exists is asked.
+    return {region.path[len(SHM_DIR):] for region in maps
+            if region.path.startswith(SHM_DIR) and region.path[len(SHM_DIR):].startswith(prefixes)
+            and os.path.exists(region.path)}
 
 
 def open_files(pid: int, name_prefixes: tuple[str, ...]) -> set[str]:
     """Paths of the files ``pid`` holds open whose name starts with one of ``name_prefixes``."""
     try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
+        files = psutil.Process(pid).open_files()
+    except _UNSEEN:
         return set()
-    paths = set()
-    for fd in fds:
-        try:
-            path = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue  # closed meanwhile
-        if os.path.basename(path).startswith(name_prefixes) and path.startswith("/"):
-            paths.add(path)
-    return paths
+    return {f.path for f in files if os.path.basename(f.path).startswith(name_prefixes)}

@@ -225,10 +225,7 @@ class TargetLoop:
             new.append(self.waiting.popleft())
         if not new:
             return
-        if self._released and self.speculating:
-            # Free the draft's rows of finished sequences before it must hold the new ones.
-            self.draft.send(P.Release(tuple(self._released)))
-            self._released = []
+        self._release_on_draft()  # before the draft must hold the new sequences
         to_draft = self.speculating and self._draft_prefills_now(len(self.running) + len(new))
         self._take_cores(plain=not to_draft)
         for seq in new:
@@ -295,9 +292,7 @@ class TargetLoop:
         # that would borrow them runs on the target's own and is not the steady rate of plain rounds.
         steady = not chosen or self.lending is None or t0 >= self._draft_busy_until
         self._take_cores(plain=steady)
-        if chosen and self._released:  # the draft waits for no request now: free its rows at once
-            self.draft.send(P.Release(tuple(self._released)))
-            self._released = []
+        self._release_on_draft()  # the draft waits for no round's request now
         for seq, tok in zip(seqs, self.verifier.plain(seqs)):
             seq.spec_streak = 0
             if chosen:
@@ -421,7 +416,12 @@ class TargetLoop:
             self.metrics.merge(seq.metrics, times=False)  # round times were added once per round
             self.finished[seq.seq_id] = seq
         self.running = still
-        if self._released and self.speculating and not self.running and not self.waiting:
+        if not self.running and not self.waiting:  # no round's request will carry them soon
+            self._release_on_draft()
+
+    def _release_on_draft(self) -> None:
+        """Free the draft's rows of finished sequences now, not with the next round's request."""
+        if self._released and self.speculating:
             self.draft.send(P.Release(tuple(self._released)))
             self._released = []
 
@@ -447,9 +447,8 @@ class TargetLoop:
         seq.finish_reason = "abort"
         seq.finish_time = time.perf_counter()
         self.metrics.merge(seq.metrics, times=False)  # its rounds were real work: count them
-        if self._released and self.speculating and not self.running and not self.waiting:
-            self.draft.send(P.Release(tuple(self._released)))
-            self._released = []
+        if not self.running and not self.waiting:  # no round's request will carry them soon
+            self._release_on_draft()
         return seq
 
 

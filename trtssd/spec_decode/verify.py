@@ -42,20 +42,6 @@ class VerifyResult:
     accepted: torch.Tensor
     num_proposals: torch.Tensor
 
-    @property
-    def num_emitted(self) -> torch.Tensor:
-        """[B] tokens each row emits this round (accepted proposals + the bonus)."""
-        return self.num_accepted + 1
-
-    def per_position_accepted(self) -> torch.Tensor:
-        """[K] long: how many rows accepted their proposal at position i."""
-        return self.accepted.sum(dim=0)
-
-    def per_position_proposed(self) -> torch.Tensor:
-        """[K] long: how many rows had a valid proposal at position i."""
-        positions = torch.arange(self.accepted.shape[1], device=self.accepted.device)
-        return (positions[None, :] < self.num_proposals[:, None]).sum(dim=0)
-
 
 def verify(
     target_logits: torch.Tensor,

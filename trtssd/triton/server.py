@@ -117,7 +117,7 @@ class TritonServer:
         self.extra_args = tuple(extra_args)
         self.process: subprocess.Popen | None = None
         self._workdir: Path | None = None
-        self._started: dict[int, int] = {}  # pid -> start time of every process the server started
+        self._started: dict[int, float] = {}  # pid -> start time of every process the server started
         self._segments: set[str] = set()  # shared memory those processes mapped
 
     @property

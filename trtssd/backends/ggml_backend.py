@@ -36,7 +36,9 @@ setting; tests/test_ggml_backend.py checks each, so an upgrade that breaks one f
   llama.cpp multiplies K-quant and IQ weights (Q4_K_M files, and the Q6_K output matrix most
   quantized files carry) with a tiled kernel whose sums differ from its one-row kernel's by up to
   0.5 in a logit (measured on the Qwen2.5-Coder 1.5B Q4_K_M target); pieces of 2 to 7 tokens keep
-  every row on the one-row kernel, whatever the batch.
+  every row on the one-row kernel, whatever the batch. A prompt of 8 tokens or more (a chunk
+  asking for its last logits only) is decoded alone instead, on the tiled kernel: every mode and
+  batch prefills it so, and its rows are never compared with decoded ones.
 - A one-token forward on two or more threads splits a long cache (past 256 cells, where the
   attention's key view reaches 512) across the threads, and its sums change: the pieces above
   never hold a single token, and a forward of one token over a long cache (a plain round of one
@@ -306,6 +308,7 @@ class GgmlExecutor:
                                    or self._allocated + total + _TILE > self._n_cells):
             self.compact()  # before placing: the cells placed below are not in llama.cpp's cache yet
         per_chunk = []  # each chunk's (token, position, lane id, wants logits)
+        alone = [c.last_logits_only and c.tokens.numel() > _SHORT_PIECE for c in chunks]  # prompts
         for c, seq in zip(chunks, seqs):
             lanes = self._place(c, seq)
             n = c.tokens.numel()
@@ -314,7 +317,7 @@ class GgmlExecutor:
         if not self.row_invariant:
             logits = self._decode([e for entries in per_chunk for e in entries])
         else:
-            logits = self._decode_invariant(per_chunk)
+            logits = self._decode_invariant(per_chunk, alone)
         sizes = [1 if c.last_logits_only else c.tokens.numel() for c in chunks]
         return list(logits.split(sizes))
 
@@ -378,18 +381,20 @@ class GgmlExecutor:
         lane.region = dict(visible)
         return lane
 
-    def _decode_invariant(self, per_chunk: list[list[tuple[int, int, int, bool]]]) -> torch.Tensor:
+    def _decode_invariant(self, per_chunk: list[list[tuple[int, int, int, bool]]], alone: list[bool]) -> torch.Tensor:
         """The forward as llama.cpp decodes it row-invariantly (module docstring): long chains
-        alone, aligned and cut at fixed positions; the rest in pieces of 2 to 7 tokens. Logits
-        rows come back in entry order."""
+        alone, aligned and cut at fixed positions; prompts alone; the rest in pieces of 2 to 7
+        tokens. Logits rows come back in entry order."""
         rows: list[tuple[int, torch.Tensor]] = []  # (first entry index, logits rows) per decode
         short: list[tuple[int, tuple]] = []
         start = 0
-        for entries in per_chunk:
+        for entries, prompt in zip(per_chunk, alone):
             if len(entries) >= _TILE:
                 self._align(entries[0][1])
                 for a, b in _chain_pieces(entries[0][1], len(entries)):
                     rows.append((start + a, self._decode(entries[a:b])))
+            elif prompt:
+                rows.append((start, self._decode(entries)))
             else:
                 short += [(start + i, e) for i, e in enumerate(entries)]
             start += len(entries)

@@ -286,11 +286,15 @@ def test_greedy_speculative_equals_ar(sd_run, mode):
 # -- the same pair on ggml: the GGUFs as they are, on llama.cpp ----------------------------------
 
 
-def test_pair_on_ggml_greedy_speculative_equals_ar():
+@pytest.fixture(scope="module")
+def ggml_engine():
+    """The pair's ggml engine, beside the torch engine, so the GGUFs are hard-linked, not copied."""
+    return build_engine(ENGINE, default_cache_dir() / "test-engines", backend="ggml", progress=False)
+
+
+def test_pair_on_ggml_greedy_speculative_equals_ar(ggml_engine):
     """The pair's ggml engine (the GGUFs mmapped by llama.cpp, nothing converted): greedy sd and
     ssd equal ar token for token at batch 4 and batch 1, with drafts accepted and ssd hitting."""
-    # Beside the torch engine, so the GGUFs are hard-linked, not copied.
-    ggml_engine = build_engine(ENGINE, default_cache_dir() / "test-engines", backend="ggml", progress=False)
     manifest = load_manifest(ggml_engine)
     assert manifest["target"]["backend"] == manifest["draft"]["backend"] == "ggml"
     outs, summaries = {}, {}
@@ -306,13 +310,12 @@ def test_pair_on_ggml_greedy_speculative_equals_ar():
     assert summaries["ssd"]["cache_hits"] > 0
 
 
-def test_k_quant_rows_bit_identical_in_a_batch_of_verify_chains():
+def test_k_quant_rows_bit_identical_in_a_batch_of_verify_chains(ggml_engine):
     """A Q4_K_M target: llama.cpp multiplies K-quant weights with another kernel in forwards of 8
     tokens or more. Four rows decoded one token per forward must equal the same rows verified as
     four 4-token chains in one forward (16 tokens), bit for bit."""
     from trtssd.backends.ggml_backend import GgmlExecutor
 
-    ggml_engine = build_engine(ENGINE, default_cache_dir() / "test-engines", backend="ggml", progress=False)
     path = ggml_engine / load_manifest(ggml_engine)["target"]["path"]
     prompts = [[(i * 7919 + s * 104729) % 40000 + 100 for i in range(40 + 3 * s)] for s in range(4)]
 

@@ -1,5 +1,5 @@
 """A small OpenAI-streaming client for the serving tests: parses the SSE stream of one request
-into what a client would keep, and the Prometheus text of /metrics into numbers."""
+into what a client would keep, and reads numbers from /metrics (prometheus_client's parser)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 
 @dataclass
@@ -50,15 +51,6 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict) -> St
 
 def scrape(client: httpx.Client, name: str, **labels) -> float:
     """The sum of the samples of metric ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith("#") or not line.startswith(name):
-            continue
-        series, value = line.rsplit(" ", 1)
-        metric, _, label_text = series.partition("{")
-        if metric != name:
-            continue
-        have = dict(part.split("=", 1) for part in label_text.rstrip("}").split(",") if part)
-        if all(have.get(k) == f'"{v}"' for k, v in labels.items()):
-            total += float(value)
-    return total
+    families = text_string_to_metric_families(client.get("/metrics").text)
+    return sum(sample.value for family in families for sample in family.samples
+               if sample.name == name and all(sample.labels.get(k) == str(v) for k, v in labels.items()))

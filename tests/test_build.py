@@ -5,10 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from pathlib import Path
 
 import gguf
-import numpy as np
 import pytest
 import torch
 
@@ -23,63 +21,7 @@ from trtssd.config import speculative_config
 from trtssd.hashing import file_sha256
 from trtssd.models.catalog import NamedEngine
 from trtssd.models.engine_dir import DRAFT_FILE, DRAFT_GGUF, MANIFEST, TARGET_FILE, engine_speculation, load_manifest
-from tiny_models import make_tiny_llama
-
-Q4_1, Q8_0, F32 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F32
-MERGES = ["Ġ t", "Ġ a", "i n", "h e"]
-
-
-def _byte_chars() -> list[str]:
-    """The 256 printable stand-ins byte-level BPE uses for raw bytes."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    extra = iter(range(256, 512))
-    return [chr(b if b in printable else next(extra)) for b in range(256)]
-
-
-def make_tiny_gguf(path: Path, seed: int = 0, merges: list[str] = MERGES, layers: int = 2) -> Path:
-    """A random llama GGUF laid out like SmolLM2's: Q4_1 projections, tied Q8_0 embedding,
-    fp32 norms, and a byte-level BPE tokenizer."""
-    tokens = ["<|endoftext|>", *_byte_chars(), *(m.replace(" ", "") for m in MERGES)]
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(layers)
-    w.add_context_length(256)
-    w.add_embedding_length(64)
-    w.add_feed_forward_length(128)
-    w.add_head_count(4)
-    w.add_head_count_kv(2)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3] + [1] * (len(tokens) - 1))
-    w.add_token_merges(merges)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(0)
-    rng = np.random.default_rng(seed)
-
-    def add(name: str, shape: tuple[int, ...], qtype, scale: float = 0.15, offset: float = 0.0) -> None:
-        values = (rng.standard_normal(shape) * scale + offset).astype(np.float32)
-        if qtype == F32:
-            w.add_tensor(name, values)
-        else:
-            raw = gguf.quants.quantize(values, qtype)
-            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
-
-    add("token_embd.weight", (len(tokens), 64), Q8_0, scale=1.0)
-    add("output_norm.weight", (64,), F32, scale=0.1, offset=1.0)
-    for i in range(layers):
-        add(f"blk.{i}.attn_norm.weight", (64,), F32, scale=0.1, offset=1.0)
-        add(f"blk.{i}.ffn_norm.weight", (64,), F32, scale=0.1, offset=1.0)
-        for name, shape in (("attn_q", (64, 64)), ("attn_k", (32, 64)), ("attn_v", (32, 64)), ("attn_output", (64, 64)),
-                            ("ffn_gate", (128, 64)), ("ffn_up", (128, 64)), ("ffn_down", (64, 128))):
-            add(f"blk.{i}.{name}.weight", shape, Q4_1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
+from tiny_models import make_tiny_gguf, make_tiny_llama
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_models import TINY_CONFIGS, TOL, build_tiny, hf_logits
+from tiny_models import TINY_CONFIGS, TOL, build_tiny, hf_logits
 from trtssd.backends.base import CapacityError, Chunk, chain_chunk
 from trtssd.backends.torch_backend import TorchExecutor
 

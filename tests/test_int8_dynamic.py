@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from test_build import make_tiny_gguf
+from tiny_models import make_tiny_gguf
 from trtssd import LLM, SamplingParams
 from trtssd.backends.base import chain_chunk
 from trtssd.backends.loading import load_side

@@ -17,68 +17,9 @@ from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig
 from trtssd.models.llama import Linear
 from trtssd.models.loader import load_config, load_model, read_gguf, unpermute_rows
+from tiny_models import TINY_CONFIGS, TOL, build_tiny, hf_logits, randomize
 
 transformers = pytest.importorskip("transformers")
-
-TOL = 1e-4  # max abs logit difference allowed against transformers in fp32
-
-_COMMON = dict(vocab_size=96, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=128)
-TINY_CONFIGS = {
-    # Llama 3: llama3 RoPE scaling (small original context so every band is exercised), GQA,
-    # biased attention projections, untied output.
-    "llama3": lambda: transformers.LlamaConfig(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
-        tie_word_embeddings=False, **_COMMON,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
-    ),
-    # SmolLM2-like: llama, 3:1 GQA, tied embeddings, large theta.
-    "smollm2": lambda: transformers.LlamaConfig(
-        hidden_size=96, num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, **_COMMON,
-    ),
-    # Qwen2: q/k/v bias, tied embeddings.
-    "qwen2": lambda: transformers.Qwen2Config(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **_COMMON,
-    ),
-    # Qwen3: per-head q/k RMSNorm, head_dim != hidden / heads, untied.
-    "qwen3": lambda: transformers.Qwen3Config(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
-        **_COMMON,
-    ),
-}
-
-
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights large enough that logits spread over several units (so a 1e-4 check means
-    something) and non-trivial norms and biases (their defaults, ones and zeros, hide bugs)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * noise)
-            elif p.dim() == 1:
-                p.copy_(0.2 * noise)
-            elif "embed" in name:
-                p.copy_(noise)
-            else:
-                p.copy_(noise * 1.5 / p.shape[1] ** 0.5)
-
-
-def build_tiny(kind: str, directory: Path, seed: int = 0):
-    """A random tiny transformers model of ``kind`` saved to ``directory``; returns it (eval)."""
-    model = transformers.AutoModelForCausalLM.from_config(TINY_CONFIGS[kind](), dtype=torch.float32)
-    randomize(model, seed)
-    model.save_pretrained(directory)
-    return model.eval()
-
-
-def hf_logits(model, tokens) -> torch.Tensor:
-    """transformers' logits for every prefix of ``tokens`` (the reference for all comparisons)."""
-    with torch.no_grad():
-        return model(torch.as_tensor(tokens)[None]).logits[0].float()
-
 
 @pytest.fixture(scope="module", params=list(TINY_CONFIGS))
 def tiny(request, tmp_path_factory):

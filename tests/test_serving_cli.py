@@ -1,5 +1,5 @@
-"""`trtssd serve`: a flag for every LLM option, and the real command serving on a socket until
-SIGTERM, which ends its draft rank too (tiny models, to start quickly)."""
+"""`trtssd serve`, `generate` and `triton-repo`: a flag for every LLM option; the real `serve`
+command on a socket until SIGTERM, which ends its draft rank too (tiny models, to start quickly)."""
 
 from __future__ import annotations
 
@@ -26,13 +26,20 @@ def _parse(argv: list[str]):
     return parser.parse_args(["serve", *argv])
 
 
-def test_serve_has_a_flag_for_every_llm_option(capsys):
+@pytest.mark.parametrize("command", ["serve", "generate", "triton-repo"])
+def test_each_command_that_starts_an_llm_has_a_flag_for_every_llm_option(command, capsys):
     with pytest.raises(SystemExit):
-        cli.main(["serve", "--help"])
+        cli.main([command, "--help"])
     text = capsys.readouterr().out
     fields = [f.name for cls in (SpeculativeConfig, RuntimeConfig) for f in dataclasses.fields(cls)]
     missing = [name for name in fields if f"--{name.replace('_', '-')}" not in text]
-    assert not missing, f"trtssd serve lacks flags for LLM options {missing}"
+    assert not missing, f"trtssd {command} lacks flags for LLM options {missing}"
+
+
+def test_serve_has_its_server_flags(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    text = capsys.readouterr().out
     for flag in ("--host", "--port", "--engine", "--target", "--draft", "--api-key", "--served-model-name",
                  "--max-waiting", "--launch"):
         assert flag in text

@@ -326,6 +326,30 @@ def test_the_switch_back_from_plain_rounds_does_not_make_plain_rounds_look_faste
     assert max(len(r) for r in plain_runs) <= chooser.plain_try_rows  # plain rounds only as tries
 
 
+def test_tries_of_speculation_that_must_catch_up_are_spaced_by_their_own_cost():
+    """Measured on the default ggml engine at batch 1: plain rounds 11 ms a token, speculative
+    rounds 8 tokens in 120 ms, and a try of speculation after plain rounds opens with two rounds
+    of ~0.8 s while the draft (as costly as its target) catches up on what it missed. Spaced by
+    the plain try's few milliseconds, such tries came every ~90 plain rounds and made load
+    control run at 0.6x plain decoding; spaced by their own cost they take a small share.
+    (The first try, speculation first, costs the same either way; 1000 rounds take ~13 s.)"""
+    chooser = RoundChooser()
+    picks, tokens, seconds, streak = [], 0, 0.0, 0
+    for _ in range(1000):
+        spec = chooser.speculate(1)
+        picks.append(spec)
+        if spec:
+            steady = streak >= 2
+            took = 0.12 if steady else 0.8
+            chooser.observe(True, 1, 8, took, steady=steady)
+            tokens, seconds, streak = tokens + 8, seconds + took, streak + 1
+        else:
+            chooser.observe(False, 1, 1, 0.011)
+            tokens, seconds, streak = tokens + 1, seconds + 0.011, 0
+    assert chooser.choice(1) is False
+    assert tokens / seconds >= 0.85 / 0.011  # within 15% of always plain (0.79 when spaced by plain tries)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_noisy_speculative_rounds_keep_a_batch_of_one_speculating(seed):
     """A speculative round yields 1 to K+1 tokens, so one round's tokens/s is noise. Measured on

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_build import make_tiny_gguf
+from tiny_models import make_tiny_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 WHEELS = Path.home() / ".cache" / "trtssd" / "wheels"  # llama-cpp-python has no wheel on PyPI

@@ -19,14 +19,8 @@ def _generate(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
         seed=args.seed, stop=tuple(args.stop or ()),
     )
-    options = dict(mode=args.mode, launch=args.launch, max_seq_len=args.max_seq_len, **_device_options(args))
-    if args.k is not None:  # else the engine's tuned K
-        options["k"] = args.k
-    if args.fanout != "auto":
-        options["fanout"] = tuple(int(x) for x in args.fanout.split(","))
-    if args.backup:
-        options["backup"] = args.backup
-    with LLM(args.engine, **options) as llm:
+    with LLM(args.engine, launch=args.launch, **_llm_options(args)) as llm:
+        mode = llm.spec.mode.value
         prompts = args.prompt or ["Write a Python function that returns the n-th Fibonacci number."]
         outs = llm.generate(prompts, params)
         aggregate = llm.metrics.summary()
@@ -45,7 +39,7 @@ def _generate(args: argparse.Namespace) -> int:
             sys.stdout.write(f"{o.text}\n\n")
             # A result, not a warning: on stdout with the text it describes.
             sys.stdout.write(
-                f"mode={args.mode} tokens={len(o.token_ids)} {tok_s:.1f} tok/s "
+                f"mode={mode} tokens={len(o.token_ids)} {tok_s:.1f} tok/s "
                 f"acceptance_len={m['mean_acceptance_length']:.2f} hit_rate={m['cache_hit_rate']:.2f} "
                 f"overlap={m['overlap_efficiency']:.2f} finish={o.finish_reason}\n\n"
             )
@@ -248,7 +242,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text with ar, sd or ssd")
     g.add_argument("--engine", default=None, help="engine directory (default: the embedded SmolLM2 engine)")
-    g.add_argument("--mode", choices=["ar", "sd", "ssd"], default="ssd")
     g.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -256,14 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--k", type=int, default=None, help="lookahead (default: the engine's, else 5)")
-    g.add_argument("--fanout", default="auto", help="'auto' or K+1 comma-separated ints")
-    g.add_argument("--backup", choices=["auto", "neural", "fast"], default=None)
-    g.add_argument("--max-seq-len", type=int, default=2048)
     g.add_argument("--launch", choices=["spawn", "world"], default="spawn",
                    help="spawn: the draft is started as its own MPI job; world: under mpiexec -n 2")
     g.add_argument("--json", action="store_true", help="print text, token ids and metrics as JSON")
-    _add_device_options(g)
+    _add_llm_options(g)  # the same LLM options as serve and triton-repo
     g.set_defaults(func=_generate)
 
     _add_serve_parser(sub)

@@ -46,13 +46,16 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 import trtssd.bench.serve_report as serve_report
 from trtssd.bench.prompts import BUILTIN_SETS, PromptItem, load_prompt_set
 from trtssd.bench.report import machine_info
+
+if TYPE_CHECKING:
+    from prometheus_client.samples import Sample
 
 log = logging.getLogger(__name__)
 
@@ -368,30 +371,13 @@ def _error_message(body: str) -> str:
 
 # --- server metrics ------------------------------------------------------------------------------
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-@dataclass(frozen=True)
-class Sample:
-    name: str
-    labels: dict
-    value: float
-
-
 def parse_prometheus(text: str) -> list[Sample]:
-    """Samples of Prometheus' text exposition format (comments and unparsable lines skipped)."""
-    samples = []
-    for line in text.splitlines():
-        match = _SAMPLE.match(line.strip())
-        if not match or line.startswith("#"):
-            continue
-        try:
-            value = float(match.group(3))
-        except ValueError:
-            continue
-        samples.append(Sample(match.group(1), dict(_LABEL.findall(match.group(2) or "")), value))
-    return samples
+    """Every sample of a /metrics page in Prometheus' text exposition format (prometheus_client's
+    parser, imported here: only `trtssd bench serve` needs it; a page it cannot read raises
+    ValueError)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
 
 
 def counter_value(samples: Sequence[Sample], name: str, **labels: str) -> float | None:
@@ -459,7 +445,7 @@ async def scrape_metrics(session, url: str, headers: dict) -> dict | None:
             if resp.status != 200:
                 return None
             return server_counters(parse_prometheus(await resp.text()))
-    except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError):
+    except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError, ValueError):
         return None
 
 

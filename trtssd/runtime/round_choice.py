@@ -32,9 +32,11 @@ arrival and departure, and a speculative round yields anything from 1 to K+1 tok
   tried, speculation first.
 
 A try of the slower mode also waits until the decided mode has run ``quiet_per_try`` times as
-long as the last try took: rounds of the two modes may differ tenfold in length (a speculative
-round of K = 7 against a plain one), so a count of rounds alone would let tries of a slow mode
-take most of the time.
+long as that mode's last try took: rounds of the two modes may differ tenfold in length (a
+speculative round of K = 7 against a plain one), and a try of speculation after plain rounds
+starts with the draft catching up on every token it missed (two rounds of up to a second on the
+default ggml engine, whose self-draft costs what its target costs), so neither a count of rounds
+nor the other mode's short tries may set the pace of tries: they would take most of the time.
 
 Switching itself costs (those unsteady rounds), and running sums wander, so the mode of a batch
 size is decided when a try ends (the faster one wins); between tries it changes only when the
@@ -67,7 +69,7 @@ class _BatchSize:
     trying: bool | None = None  # the mode a pending try runs
     try_left: int = 0  # rows the try still needs measured
     try_spent: int = 0  # rounds the try has run, measured or not
-    try_s: float = 0.0  # seconds the pending (or last) try has run
+    try_s: dict[bool, float] = field(default_factory=dict)  # mode -> seconds its pending (or last) try ran
     since_probe_s: float = 0.0  # seconds of the decided mode since the last try
 
 
@@ -111,7 +113,7 @@ class RoundChooser:
                 return b.trying
             self._end_try(b)
         b.since_probe += 1
-        if b.since_probe >= b.probe_every and b.since_probe_s >= self.quiet_per_try * b.try_s:
+        if b.since_probe >= b.probe_every and b.since_probe_s >= self.quiet_per_try * b.try_s.get(not b.mode, 0.0):
             b.since_probe, b.since_probe_s = 0, 0.0
             return self._start_try(b, not b.mode)
         if self._clearly_faster(b, not b.mode):  # the load changed since the last try
@@ -129,7 +131,7 @@ class RoundChooser:
         if b.trying is None:
             b.since_probe_s += seconds
         elif speculative == b.trying:
-            b.try_s += seconds
+            b.try_s[speculative] += seconds
         if not speculative and not steady:
             return  # the draft's cores were busy: its spell ends by itself, so never measured
         self._unsteady = 0 if steady else self._unsteady + 1
@@ -185,7 +187,8 @@ class RoundChooser:
         return -(-self._try_rows(speculative) // batch)
 
     def _start_try(self, b: _BatchSize, speculative: bool) -> bool:
-        b.trying, b.try_left, b.try_spent, b.try_s = speculative, self._try_rows(speculative), 0, 0.0
+        b.trying, b.try_left, b.try_spent = speculative, self._try_rows(speculative), 0
+        b.try_s[speculative] = 0.0
         return speculative
 
     def _end_try(self, b: _BatchSize) -> None:

@@ -5,7 +5,8 @@
 #    lending (plain rounds borrow the draft's core, rows kept exact), llama.cpp on 1 thread and
 #    llama.cpp's sd on 1 + 1 (the cores trtssd's two ranks have);
 #  two-threads/: trtssd ar with --lend-draft-cores always (llama.cpp's own two-thread decoding)
-#    next to llama.cpp on 2 threads.
+#    next to llama.cpp on 2 threads and transformers' greedy and assisted generation on 2 threads
+#    (the GGUFs dequantized to fp32 by transformers' own loader).
 # Writes one folder per engine and layout beside itself; run it on a quiet machine.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
@@ -17,6 +18,6 @@ bench() { .venv/bin/trtssd bench "${common[@]}" "$@"; }
 default=(--engine engines/smollm2-135m-ggml --prompts 4 --max-tokens 96 --k 7)
 qwen=(--engine engines/qwen2.5-coder-1.5b-ggml --prompts 2 --max-tokens 64 --k 3)
 bench "${default[@]}" --systems ar,sd,ssd,auto,llama.cpp --llamacpp-threads 1 --out "$here/default-engine/one-core-per-rank"
-bench "${default[@]}" --systems ar,llama.cpp --lend-draft-cores always --llamacpp-threads 2 --out "$here/default-engine/two-threads"
+bench "${default[@]}" --systems ar,llama.cpp,hf-greedy,hf-assisted --lend-draft-cores always --llamacpp-threads 2 --peer-threads 2 --out "$here/default-engine/two-threads"
 bench "${qwen[@]}" --systems ar,sd,ssd,auto,llama.cpp,llama.cpp-sd --llamacpp-threads 1 --out "$here/qwen2.5-coder-1.5b/one-core-per-rank"
-bench "${qwen[@]}" --systems ar,llama.cpp --lend-draft-cores always --llamacpp-threads 2 --out "$here/qwen2.5-coder-1.5b/two-threads"
+bench "${qwen[@]}" --systems ar,llama.cpp,hf-greedy,hf-assisted --lend-draft-cores always --llamacpp-threads 2 --peer-threads 2 --out "$here/qwen2.5-coder-1.5b/two-threads"

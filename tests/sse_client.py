@@ -50,7 +50,11 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict) -> St
 
 
 def scrape(client: httpx.Client, name: str, **labels) -> float:
-    """The sum of the samples of metric ``name`` whose labels include ``labels``."""
+    """The sum of the samples of metric ``name`` whose labels include ``labels``. The parser
+    names every counter's samples ``..._total`` (Triton's counters have no such suffix), so a
+    counter is found under either spelling."""
+    spellings = {name, f"{name}_total"}
     families = text_string_to_metric_families(client.get("/metrics").text)
     return sum(sample.value for family in families for sample in family.samples
-               if sample.name == name and all(sample.labels.get(k) == str(v) for k, v in labels.items()))
+               if (sample.name == name or family.type == "counter" and sample.name in spellings)
+               and all(sample.labels.get(k) == str(v) for k, v in labels.items()))

@@ -10,6 +10,7 @@ from trtssd.backends.base import Chunk, chain_chunk
 from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.models import smollm2
 from trtssd.models.tokenizer import load_tokenizer
+from tiny_models import hf_logits
 
 pytestmark = pytest.mark.slow
 
@@ -59,11 +60,6 @@ def prompt_ids(gguf_path):
         ids.append(list(enc["input_ids"] if hasattr(enc, "keys") else enc))
     assert all(len(p) > 10 for p in ids)
     return ids
-
-
-def hf_logits(hf, tokens):
-    with torch.no_grad():
-        return hf(torch.tensor([tokens])).logits[0].float()
 
 
 def test_logits_match_transformers(hf, executor, prompt_ids):

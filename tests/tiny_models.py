@@ -15,18 +15,16 @@ def make_tiny_llama(path: Path, seed: int, vocab: int = 64, hidden: int = 32, la
                     base: Path | None = None, noise: float = 0.0) -> Path:
     """Save a tiny Llama to ``path``. With ``base``, copy its weights plus Gaussian noise so the
     draft agrees with the target often but not always (like a real draft)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=512, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(cfg)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
         if base is not None:
-            ref = LlamaForCausalLM.from_pretrained(base)
+            ref = transformers.LlamaForCausalLM.from_pretrained(base)
             for p, q in zip(model.parameters(), ref.parameters()):
                 p.copy_(q + noise * torch.randn_like(q))
     model.save_pretrained(path)

@@ -143,6 +143,25 @@ def test_plain_decoding_on_borrowed_cores_keeps_rows_exact(smollm2_gguf):
     assert not all(torch.equal(a, b) for a, b in zip(split, ref))
 
 
+def test_a_short_sequence_after_others_left_is_compacted_instead_of_padded(smollm2_gguf):
+    """A request that came and went leaves its cells in the trash, so the next short request's
+    one-token forwards lie past the split: the cache is compacted once instead of a filler row
+    beside every token (which trashes a cell per token), and the rows stay exact."""
+    prompt = _prompt(40, 6)
+    ex = GgmlExecutor(smollm2_gguf, max_seqs=2, max_seq_len=1024, threads=1)
+    _, ref = _ar_logits(ex, prompt, 8)
+    ex.close()
+    ex = GgmlExecutor(smollm2_gguf, max_seqs=2, max_seq_len=1024, threads=2)
+    ex.add_sequence(3)
+    ex.forward([chain_chunk(3, _prompt(230, 7), 0, last_logits_only=True)])  # trash stays below a compaction
+    ex.commit(3, 230)
+    ex.release(3)
+    _, got = _ar_logits(ex, prompt, 8)
+    assert ex._trashed == 48  # the 40 + 8 cells just released; no filler was trashed on the way
+    ex.close()
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
 def test_long_chains_are_cut_and_aligned_the_same_way(smollm2_gguf):
     """A prompt of 600 tokens (cut at 512) prefilled on a fresh cache and after 45 cells of
     another sequence: the same first logits row, bit for bit."""

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from trtssd.sampling import (SamplingParams, draw_uniforms, make_generator, processed_probs, sample,
-                             sample_with_uniforms)
+from trtssd.sampling import (SamplingParams, draw_uniforms, make_generator, processed_logprobs, processed_probs,
+                             sample, sample_with_uniforms, token_logprobs)
 
 
 def reference_probs(logits: np.ndarray, sp: SamplingParams) -> np.ndarray:
@@ -75,6 +75,7 @@ def test_lists_become_tuples_and_params_are_frozen_and_hashable():
     ("stop_token_ids", (-1,)), ("stop_token_ids", ("a",)),
     ("ignore_eos", 1),
     ("seed", -1), ("seed", 2**64), ("seed", 1.0),
+    ("logprobs", -1), ("logprobs", 21), ("logprobs", True), ("logprobs", 2.0),
 ])
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be"):
@@ -99,6 +100,31 @@ def test_processed_probs_matches_the_reference_for_mixed_rows():
         for i in range(n):
             expected = reference_probs(logits[b, i].numpy(), params[b])
             np.testing.assert_allclose(p[b, i].numpy(), expected, atol=2e-6, err_msg=f"{params[b]}")
+
+
+def test_processed_logprobs_are_the_log_of_p_and_greedy_rows_the_raw_log_softmax():
+    g = torch.Generator().manual_seed(1)
+    logits = 2 * torch.randn(4, 3, 40, generator=g)
+    params = [SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=1.3, top_p=0.8, min_p=0.05),
+              SamplingParams(temperature=0), SamplingParams()]
+    logp, p = processed_logprobs(logits, params), processed_probs(logits, params)
+    for b in (0, 1, 3):
+        kept = p[b] > 0
+        assert torch.equal(torch.isfinite(logp[b]), kept)
+        torch.testing.assert_close(logp[b][kept], p[b][kept].log(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(logp[2], torch.log_softmax(logits[2], dim=-1), atol=0, rtol=0)
+    assert torch.equal(processed_logprobs(logits[:, 0], params), logp[:, 0])  # [B, V] input
+
+
+def test_token_logprobs_give_each_token_and_its_finite_alternatives_most_likely_first():
+    logits = torch.tensor([[3.0, 1.0, 2.0, 0.0], [0.0, 0.0, 5.0, 1.0]])
+    got = token_logprobs(logits, [1, 2], SamplingParams(temperature=1.0, top_k=2, logprobs=3))
+    logp = processed_logprobs(logits[None], [SamplingParams(temperature=1.0, top_k=2)])[0]
+    assert [e.token_id for e in got] == [1, 2]
+    assert got[0].logprob == -math.inf  # token 1 is outside row 0's top-2 (never emitted so in practice)
+    assert [t for t, _ in got[0].top] == [0, 2] and [t for t, _ in got[1].top] == [2, 3]  # only 2 are finite
+    assert got[1].top[0][1] == pytest.approx(float(logp[1, 2]))
+    assert token_logprobs(logits, [0, 2], SamplingParams(logprobs=0))[0].top == ()
 
 
 def test_top_k_keeps_ties_and_k_beyond_vocab_keeps_all():

@@ -15,10 +15,15 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 from sse_client import add_event, scrape, stream_request, Streamed
 from tiny_models import make_tiny_llama
 from trtssd import LLM, ModelRef, SamplingParams
+from trtssd.backends.base import chain_chunk
+from trtssd.backends.loading import load_executor
+from trtssd.build import resolve_models
+from trtssd.sampling import processed_logprobs
 from trtssd.serving.openai_server import OpenAIServer
 from trtssd.serving.uvicorn_runner import BackgroundServer
 
@@ -190,13 +195,17 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_to
     ("/v1/completions", {**GOOD, "stop": [""]}, 400, "stop", "non-empty strings"),
     ("/v1/completions", {**GOOD, "n": 2}, 400, "n", "'n' is not supported: it must be 1"),
     ("/v1/completions", {**GOOD, "best_of": 3}, 400, "best_of", "'best_of' is not supported"),
-    ("/v1/completions", {**GOOD, "logprobs": 1}, 400, "logprobs", "'logprobs' is not supported"),
+    ("/v1/completions", {**GOOD, "logprobs": 21}, 400, "logprobs", r"logprobs must be None or an int in \[0, 20\]"),
+    ("/v1/completions", {**GOOD, "logprobs": True}, 400, "logprobs", "'logprobs' must be an integer"),
     ("/v1/completions", {**GOOD, "echo": True}, 400, "echo", "'echo' is not supported"),
     ("/v1/completions", {**GOOD, "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
     ("/v1/completions", {**GOOD, "colour": "red"}, 400, "colour", "unknown field 'colour'; supported fields"),
     ("/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, 400, "stream_options",
      "only allowed with 'stream': true"),
-    ("/v1/chat/completions", {**CHAT, "logprobs": True}, 400, "logprobs", "'logprobs' is not supported"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs", "needs 'logprobs': true"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
+     r"integer in \[0, 20\]"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": 1}, 400, "logprobs", "'logprobs' must be a boolean"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools", "'tools' is not supported"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages",
      "role' must be one of"),
@@ -290,6 +299,57 @@ def test_the_openai_client_works_unchanged(served):
         client.completions.create(model=MODEL, prompt="x", top_p=2)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="x")
+
+
+def _offline_logprobs(prompt: list[int], output: list[int]) -> torch.Tensor:
+    """The served target's log-softmax at each output position (greedy: the raw logits), from
+    one plain forward of the whole text on an executor of its own."""
+    target, _ = resolve_models(None, None, None)
+    ex = load_executor(target, max_seqs=1, max_seq_len=256)
+    ex.add_sequence(0)
+    logits = ex.forward([chain_chunk(0, prompt + output[:-1], 0)])[0][len(prompt) - 1:]
+    return processed_logprobs(logits[None], [SamplingParams(temperature=0)])[0]
+
+
+def test_logprobs_through_the_openai_client(served):
+    """Completions' and chat's logprobs in OpenAI's shapes, streamed and not, equal to the
+    target's log-softmax offline (the forwards differ in shape: fp32 sums in another order)."""
+    client = openai.OpenAI(base_url=served[1].url + "/v1", api_key=API_KEY, max_retries=0)
+    prompt = "The capital of France is"
+    done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=2,
+                                     extra_body={"return_token_ids": True})
+    lp = done.choices[0].logprobs
+    ids = done.choices[0].token_ids
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) == 8
+    assert "".join(lp.tokens) == done.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    want = _offline_logprobs(done.prompt_token_ids, ids)
+    for i, (tok, value, top) in enumerate(zip(ids, lp.token_logprobs, lp.top_logprobs)):
+        assert abs(value - float(want[i, tok])) < 1e-4
+        assert value == max(top.values())  # greedy: the chosen token is the most likely
+        assert 2 <= len(top) <= 3 and top[lp.tokens[i]] == value  # two alternatives and the chosen token
+    pieces = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=2,
+                                            stream=True))
+    streamed = [v for p in pieces if p.choices and p.choices[0].logprobs for v in p.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-5)  # rounds may differ: fp32 in another order
+    offsets = [o for p in pieces if p.choices and p.choices[0].logprobs for o in p.choices[0].logprobs.text_offset]
+    assert offsets == lp.text_offset  # running on across chunks
+    messages = [{"role": "user", "content": "Say hello."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    for c in content:
+        assert c.bytes == list(c.token.encode()) and len(c.top_logprobs) == 3
+        assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
+        assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == c.logprob
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    assert [c.logprob for k in chunks if k.choices and k.choices[0].logprobs
+            for c in k.choices[0].logprobs.content] == pytest.approx([c.logprob for c in content], abs=1e-5)
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+    assert plain.choices[0].logprobs is None
 
 
 # --- overload and a dead engine (tiny models) ----------------------------------------------------

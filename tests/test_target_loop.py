@@ -4,6 +4,7 @@ joins and leaves, stops, release bookkeeping, metrics, the fallback to plain dec
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from pathlib import Path
 
@@ -17,8 +18,9 @@ from trtssd import LLM, ModelRef, SamplingParams
 from trtssd.backends.base import chain_chunk
 from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.config import Source
-from trtssd.runtime.round_choice import RoundChooser
-from trtssd.sampling import processed_probs
+from trtssd.runtime import protocol as P
+from trtssd.runtime.round_choice import RoundChooser, speculation_ceiling
+from trtssd.sampling import processed_logprobs, processed_probs
 from trtssd.spec_decode.saguaro import saguaro_probs
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10] * 12, [3, 1, 4, 1, 5, 9, 2, 6], [42], [5, 6] * 5]
@@ -268,6 +270,46 @@ def test_consecutive_seeds_are_independent(tiny):
     assert abs(same - expected) < 4.5 * sigma + 0.005, (same, expected)
 
 
+# --- logprobs ----------------------------------------------------------------------------------
+
+
+def _offline_logprobs(tiny, prompt: list[int], output: list[int], params: SamplingParams) -> torch.Tensor:
+    """The target's processed log-distribution at each output position, from one plain forward of
+    the whole text on a fresh executor."""
+    target, _ = tiny
+    ex = TorchExecutor.from_pretrained(str(target), max_seqs=1, max_seq_len=256)
+    ex.add_sequence(0)
+    logits = ex.forward([chain_chunk(0, prompt + output[:-1], 0)])[0][len(prompt) - 1:]
+    return processed_logprobs(logits[None], [params])[0]
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd", "ssd-with-plain-rounds"])
+def test_logprobs_are_the_targets_processed_distribution_on_every_path(tiny, mode):
+    """Each emitted token's logprob and its alternatives, greedy and sampled, are those of the
+    target's own distribution at that position (prefill's first token, plain rounds, accepted
+    drafts and bonus tokens alike); a request that does not ask gets none."""
+    params = [SamplingParams(temperature=0, max_tokens=24, logprobs=3),
+              SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=24, logprobs=5),
+              SamplingParams(temperature=0, max_tokens=24)]
+    plain_rounds = mode == "ssd-with-plain-rounds"
+    with _llm(tiny, mode.split("-")[0], max_batch=3, plain_under_load=plain_rounds) as llm:
+        if plain_rounds:
+            llm.loop.chooser = _Alternate()
+        outs = llm.generate(PROMPTS[:3], params)
+    assert outs[2].logprobs is None
+    if mode != "ar":
+        assert sum(o.metrics["num_drafts"] for o in outs) > 0
+    for prompt, p, out in zip(PROMPTS, params, outs[:2]):
+        want = _offline_logprobs(tiny, prompt, out.token_ids, p)
+        assert [e.token_id for e in out.logprobs] == out.token_ids
+        for i, e in enumerate(out.logprobs):
+            assert abs(e.logprob - float(want[i, e.token_id])) < 1e-5, (i, e)
+            values, ids = want[i].topk(p.logprobs)
+            expected = [(t, v) for t, v in zip(ids.tolist(), values.tolist()) if v != -math.inf]
+            assert [t for t, _ in e.top] == [t for t, _ in expected]
+            assert all(abs(v - w) < 1e-5 for (_, v), (_, w) in zip(e.top, expected))
+
+
 # --- load control ----------------------------------------------------------------------------
 
 
@@ -380,6 +422,7 @@ def test_unmeasured_batch_sizes_borrow_the_choice_of_their_neighbours():
         chooser.observe(spec, 4, int(rate), 1.0)  # plain won at 4
     for spec, rate in ((True, 9.0), (False, 5.0)):
         chooser.observe(spec, 1, int(rate), 1.0)  # speculation won at 1
+    assert chooser.expects_plain(4) and chooser.expects_plain(6) and not chooser.expects_plain(2)
     assert chooser.speculate(6) is False  # larger than a batch where plain won
     assert chooser.speculate(2) is True  # between: no borrowed answer, so tried, speculation first
     chooser = RoundChooser()
@@ -426,10 +469,67 @@ class _Fixed:
     def observe(self, *args, **kwargs):
         pass
 
-    def choice(self, batch):
-        """The decided mode: plain where the pattern is always plain (the draft then prefills a
-        sequence only when it first speculates), else undecided."""
-        return False if not any(self.pattern) else None
+
+def test_speculation_ceiling_is_k_plus_one_tokens_per_k_draft_forwards_or_a_verify():
+    draft = lambda rows: 0.016 * rows ** 0.5  # noqa: E731
+    ceiling = speculation_ceiling(draft, lambda rows: 0.001 * rows, k=7)
+    assert ceiling(1) == pytest.approx(8 / (7 * 0.016))
+    assert ceiling(4) == pytest.approx(4 * 8 / (7 * 0.032))
+    ceiling = speculation_ceiling(draft, lambda rows: 0.1 * rows, k=7)  # a verify costs more
+    assert ceiling(2) == pytest.approx(2 * 8 / (0.1 * 16))
+
+
+def _run_at_batch_one(chooser, rounds, spec_rate, plain_rate):
+    """Rounds at batch 1, plain ones 1 token, speculative ones 8 (two unsteady first rounds at a
+    fifth of the rate). Returns the picks."""
+    picks, streak = [], 0
+    for _ in range(rounds):
+        spec = chooser.speculate(1)
+        picks.append(spec)
+        if spec:
+            steady = streak >= 2
+            chooser.observe(True, 1, 8, 8 / (spec_rate if steady else spec_rate / 5), steady=steady)
+            streak += 1
+        else:
+            chooser.observe(False, 1, 1, 1 / plain_rate)
+            streak = 0
+    return picks
+
+
+@pytest.mark.parametrize("draft_s, target_s", [
+    (lambda rows: 0.013 * rows, lambda rows: 0.002 * rows),  # a draft as costly as its target
+    (lambda rows: 0.002 * rows, lambda rows: 0.02 * rows),  # a verify on one core costs K+1 decodes
+], ids=["draft", "verify"])
+def test_speculation_whose_costs_rule_it_out_is_never_tried(draft_s, target_s):
+    """The default ggml engine: its self-draft on one core makes K = 7 proposals in about 7 x 13 ms,
+    so speculation gives at most ~88 tokens/s, while plain rounds on both cores give ~115. Or a
+    verify that costs as much as its tokens plainly. Plain rounds are tried first and speculation
+    never; once plain rounds slow below the ceiling (the machine got busy), it is tried again."""
+    chooser = RoundChooser(ceiling=speculation_ceiling(draft_s, target_s, k=7))
+    assert 40 < chooser.ceiling(1) < 115
+    picks = _run_at_batch_one(chooser, 3000, spec_rate=60.0, plain_rate=115.0)
+    assert not any(picks) and chooser.choice(1) is False
+    picks = _run_at_batch_one(chooser, 3000, spec_rate=chooser.ceiling(1) * 0.95, plain_rate=30.0)
+    assert any(picks[:1000]) and chooser.choice(1) is True
+
+
+def test_a_ceiling_above_plain_rounds_leaves_the_choice_to_measurement():
+    """A draft at 48 ms a forward, K = 3, a verify of 100 ms: a ceiling of ~28 tokens/s against
+    plain rounds at 15. Speculation (measured at 20) is tried after the first plain try, and wins."""
+    chooser = RoundChooser(ceiling=speculation_ceiling(lambda rows: 0.048 * rows, lambda rows: 0.025 * rows, k=3))
+    picks = _run_at_batch_one(chooser, 600, spec_rate=20.0, plain_rate=15.0)
+    assert picks[:8] == [False] * 8 and picks[8]  # plain rounds' short try first
+    assert chooser.choice(1) is True and sum(picks) >= 0.9 * len(picks)
+
+
+def test_load_control_gets_its_ceiling_from_both_ranks_costs(tiny):
+    with _llm(tiny, "ssd", plain_under_load=True) as llm:
+        draft_s = llm.loop.draft.step_s
+        assert draft_s and llm.loop.chooser.ceiling is not None
+        k = llm.spec.k
+        assert llm.loop.chooser.ceiling(1) <= (k + 1) / (k * draft_s[1]) * 1.0001
+    with _llm(tiny, "ssd", plain_under_load=False) as llm:
+        assert llm.loop.chooser.ceiling is None
 
 
 class _Alternate:
@@ -445,10 +545,10 @@ class _Alternate:
     def observe(self, *args, **kwargs):
         pass
 
-    def choice(self, batch):
-        """The decided mode: plain where the pattern is always plain (the draft then prefills a
-        sequence only when it first speculates), else undecided."""
-        return False if not any(self.pattern) else None
+    def expects_plain(self, batch):
+        """Plain where the pattern is always plain (the draft then prefills a sequence only when
+        it first speculates)."""
+        return not any(self.pattern)
 
 
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
@@ -483,8 +583,8 @@ class _PlainThenSpeculate:
     def observe(self, *args, **kwargs):
         pass
 
-    def choice(self, batch):
-        return self.i >= self.plain
+    def expects_plain(self, batch):
+        return self.i < self.plain
 
 
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
@@ -502,6 +602,20 @@ def test_a_draft_that_first_hears_of_a_sequence_after_plain_rounds_keeps_it_exac
     full = [o.metrics for o in outs]
     assert all(m["plain_rounds"] > 0 and m["num_drafts"] > 0 for m in full), full
     assert all(m["num_accepted_tokens"] >= 3 * (m["num_drafts"] - 1) for m in full), full
+
+
+def test_where_plain_rounds_are_borrowed_from_a_smaller_batch_the_draft_does_not_prefill(tiny):
+    """Plain rounds won at batch 1, so a batch of 2 (never measured) runs them too: its requests
+    are not prefilled on the draft, which would keep the draft's core busy and the plain rounds
+    off it (under a stream of arrivals at 4-16 requests that halved serving throughput)."""
+    with _llm(tiny, "ssd", plain_under_load=True, max_batch=2) as llm:
+        for spec, rate in ((True, 5.0), (False, 9.0)):
+            llm.loop.chooser.observe(spec, 1, int(rate), 1.0)
+        sent, send = [], llm.loop.draft.send
+        llm.loop.draft.send = lambda msg: sent.append(msg) or send(msg)
+        outs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=8))
+    assert not any(isinstance(m, P.Prefill) for m in sent), sent
+    assert [o.metrics["plain_rounds"] for o in outs] == [7, 7]  # the first token comes from the prefill
 
 
 def test_a_seeded_sampled_request_keeps_the_batch_speculating(tiny):

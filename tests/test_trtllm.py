@@ -285,7 +285,7 @@ class FakeDraftClient:
     """Answers every row with the chain [base + 1, ..., base + k] where base = the row's bonus."""
 
     def __init__(self, k: int):
-        self.k, self.alive, self.pid = k, True, None
+        self.k, self.alive, self.pid, self.step_s = k, True, None, None
         self.sent: list = []
         self.requests: list[P.SpeculateRequest] = []
 

@@ -23,7 +23,7 @@ from trtssd.runtime.affinity import core_lending, cores_besides, pin, pin_thread
 from trtssd.runtime.launch import LAUNCHES, start_draft, target_seq_len
 from trtssd.runtime.target_loop import TargetLoop, Verifier
 from trtssd.runtime.metrics import SpecMetrics
-from trtssd.sampling import SamplingParams
+from trtssd.sampling import SamplingParams, TokenLogprob
 from trtssd.trtllm.verifier import trtllm_verifier
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str
     metrics: dict  # SpecMetrics.summary() plus time to first token and end-to-end latency
+    logprobs: list[TokenLogprob] | None = None  # one per token when SamplingParams.logprobs is set
 
 
 class LLM:
@@ -175,7 +176,8 @@ class LLM:
         m = seq.metrics.summary()
         m["ttft_s"] = round(seq.first_token_time - seq.arrival, 6)
         m["e2e_s"] = round(seq.finish_time - seq.arrival, 6)
-        return RequestOutput(prompt, seq.text, list(seq.output), seq.finish_reason, m)
+        logprobs = None if seq.params.logprobs is None else list(seq.logprobs)
+        return RequestOutput(prompt, seq.text, list(seq.output), seq.finish_reason, m, logprobs)
 
     @property
     def metrics(self) -> SpecMetrics:

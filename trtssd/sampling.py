@@ -21,6 +21,7 @@ import torch
 Generators = Union[None, torch.Generator, Sequence[Union[torch.Generator, None]]]
 
 _MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's and vLLM's limit)
 
 
 def _fail(field: str, allowed: str, value: object) -> None:
@@ -51,6 +52,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # stop after emitting one of these tokens (besides EOS)
     ignore_eos: bool = False  # keep generating past EOS (benchmarks with fixed output length)
     seed: int | None = None  # per-request RNG seed; None = torch's global RNG (not reproducible)
+    # Each emitted token's log-probability and this many most likely alternatives (0-20), from
+    # `processed_logprobs`; None = off.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience; stored as tuples so the object stays hashable.
@@ -78,6 +82,8 @@ class SamplingParams:
             _fail("ignore_eos", "a bool", self.ignore_eos)
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= _MAX_SEED):
             _fail("seed", f"None or an int in [0, {_MAX_SEED}]", self.seed)
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            _fail("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]", self.logprobs)
 
     @property
     def is_greedy(self) -> bool:
@@ -124,6 +130,53 @@ def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     """
     if logits.dim() == 2:
         return processed_probs(logits[:, None, :], params)[:, 0, :]
+    x, st = _processed_logits(logits, params)
+    p = torch.softmax(x, dim=-1)
+    if bool(st.greedy.any()):
+        one_hot = torch.zeros_like(p).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        p = torch.where(st.greedy[:, None, None], one_hot, p)
+    return p
+
+
+def processed_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Raw logits [B, n, V] (or [B, V]) -> log p, fp32, same shape: the log of `processed_probs`
+    (-inf outside top-k / top-p / min-p). A greedy row's p is a point mass, so its row gives the
+    log-softmax of the raw logits instead: the distribution greedy decoding takes the argmax of
+    (vLLM's default too)."""
+    if logits.dim() == 2:
+        return processed_logprobs(logits[:, None, :], params)[:, 0, :]
+    x, _ = _processed_logits(logits, params)  # greedy rows: the raw logits, nothing masked
+    return torch.log_softmax(x, dim=-1)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token's log-probability and the most likely tokens at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first; only tokens with p > 0
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], params: SamplingParams) -> list[TokenLogprob]:
+    """Logits [n, V] scoring each of ``tokens`` (n of them) -> their `TokenLogprob`s, with
+    ``params.logprobs`` alternatives each."""
+    logp = processed_logprobs(logits[None], [params])[0]  # [n, V]
+    chosen = logp.gather(-1, torch.as_tensor(list(tokens), dtype=torch.long)[:, None])[:, 0].tolist()
+    top_values = top_ids = None
+    if params.logprobs:
+        top_values, top_ids = logp.topk(params.logprobs, dim=-1)
+    out = []
+    for i, (tok, lp) in enumerate(zip(tokens, chosen)):
+        top = () if top_ids is None else tuple(
+            (t, v) for t, v in zip(top_ids[i].tolist(), top_values[i].tolist()) if v != -math.inf)
+        out.append(TokenLogprob(int(tok), lp, top))
+    return out
+
+
+def _processed_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, "SamplingTensors"]:
+    """Raw logits [B, n, V] -> temperature-scaled logits with the tokens top-k, top-p and min-p
+    drop at -inf (greedy rows: the raw logits), and the batch's SamplingTensors."""
     if logits.dim() != 3:
         raise ValueError(f"logits must have shape [B, n, V] or [B, V], got {tuple(logits.shape)}")
     if len(params) != logits.shape[0]:
@@ -138,11 +191,7 @@ def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
         # min-p is relative to the max, which renormalisation does not change.
         threshold = st.min_p[:, None, None] * probs.amax(dim=-1, keepdim=True)
         keep &= probs >= threshold
-    p = torch.softmax(x.masked_fill(~keep, -math.inf), dim=-1)
-    if bool(st.greedy.any()):
-        one_hot = torch.zeros_like(p).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-        p = torch.where(st.greedy[:, None, None], one_hot, p)
-    return p
+    return x.masked_fill(~keep, -math.inf), st
 
 
 def _top_k_top_p_keep(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

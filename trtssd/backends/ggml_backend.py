@@ -44,7 +44,9 @@ setting; tests/test_ggml_backend.py checks each, so an upgrade that breaks one f
   never hold a single token, and a forward of one token over a long cache (a plain round of one
   row that borrows the draft's cores, trtssd.runtime.affinity.CoreLending) gets a filler token
   beside it, unless ``set_threads(n, split_single_rows=True)`` asks for llama.cpp's own
-  multi-thread decoding, faster and no longer bit-identical to the rows of a verify chain.
+  multi-thread decoding, faster and no longer bit-identical to the rows of a verify chain. Where
+  only trashed cells make the cache that long (requests came and went), it is compacted instead:
+  a copy of the few live cells once, against a whole extra row on every token.
 
 The draft (``row_invariant=False``) frees cells in place: its rows need not be exact (a proposal's
 distribution is whatever it was sampled from), and its tree steps free many cells each round.
@@ -304,8 +306,8 @@ class GgmlExecutor:
             for slot in c.slots.tolist():
                 self._drop_slot(seq, slot)
             self._settle_lanes(seq)
-        if self.row_invariant and (self._trashed >= _COMPACT_AFTER
-                                   or self._allocated + total + _TILE > self._n_cells):
+        if self.row_invariant and (self._trashed >= _COMPACT_AFTER or self._allocated + total + _TILE > self._n_cells
+                                   or self._trash_splits(total)):
             self.compact()  # before placing: the cells placed below are not in llama.cpp's cache yet
         per_chunk = []  # each chunk's (token, position, lane id, wants logits)
         alone = [c.last_logits_only and c.tokens.numel() > _SHORT_PIECE for c in chunks]  # prompts
@@ -409,6 +411,14 @@ class GgmlExecutor:
                 self._trash_filler(1)
         rows.sort(key=lambda r: r[0])
         return torch.cat([r for _, r in rows])
+
+    def _trash_splits(self, total: int) -> bool:
+        """Whether a one-token forward would need a filler row only because trashed cells push
+        the cache past the split (a plain round after other requests came and went): compacting
+        first costs a copy of the few live cells, a filler row a whole extra row per token."""
+        live = self._allocated - self._trashed
+        return (total == 1 and self._trashed > 0 and self.threads > 1 and not self.split_single_rows
+                and live + total <= _SPLIT_AFTER < self._allocated + total)
 
     def _align(self, position: int) -> None:
         """Pad the cache with filler tokens (trashed at once) until the next cell's index is

@@ -540,12 +540,14 @@ def run_serve_benchmark(cfg: ServeConfig, command: str = "") -> ServeReport:
 async def _run_all(cfg: ServeConfig, command: str) -> ServeReport:
     import aiohttp
 
-
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     # sock_read, not total: a long generation is fine, a server silent for timeout_s is not.
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=cfg.timeout_s)
     # limit=0: the sweep's semaphore, not the connection pool, caps the requests in flight.
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    # force_close: a connection per request. Reused ones fail on servers that close idle
+    # keep-alive connections first (llama-server, after a few seconds: aiohttp then fails with "Can not write request body").
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         model = cfg.model or (TRITON_MODEL if cfg.backend == "triton" else
                               await _first_model(session, cfg.base_url, headers))
         requests = build_requests(cfg, model)

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 class DraftClient(Protocol):
     alive: bool  # False once the draft is lost; the target then decodes in ar mode
     pid: int | None
+    step_s: dict[int, float] | None  # the draft's calibrated seconds per forward by rows (None: not timed)
 
     def send(self, msg: object) -> bool:
         """Send a Prefill or Release; False when the draft is gone (nothing was sent)."""
@@ -47,6 +48,7 @@ class LocalDraft:
         self.alive = True
         self.failure: str | None = None
         self.pid = os.getpid()
+        self.step_s = worker.calibrated_step_s
 
     def send(self, msg: object) -> bool:
         if not self.alive:

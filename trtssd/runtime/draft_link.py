@@ -197,6 +197,7 @@ class DraftLink:
         self.alive = True
         self.failure: str | None = None
         self.pid: int | None = None
+        self.step_s: dict[int, float] | None = None
         self._inter: MPI.Intercomm | None = None
         self._closed = False
 
@@ -268,6 +269,7 @@ class DraftLink:
         if cuda_ipc:
             self.buffers = CudaIpcBuffers.attach(layout, ready.buffers)  # mapped once, for the link's life
         self.pid = ready.pid
+        self.step_s = ready.step_s
         log.info("draft rank ready, pid %d (model loaded in %.1f s)", ready.pid, ready.load_time_s)
 
     # --- messages ----------------------------------------------------------------------------

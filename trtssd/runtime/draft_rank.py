@@ -39,7 +39,8 @@ def serve(comm: MPI.Intracomm, target_rank: int = 0) -> None:
         t0 = time.perf_counter()
         worker = load_worker(hello.draft_model, hello.spec, hello.runtime, hello.max_seq_len)
         handles = buffers.export() if isinstance(buffers, CudaIpcBuffers) else None
-        channel.send(P.Ready(worker.executor.vocab_size, time.perf_counter() - t0, os.getpid(), handles), P.REPLY_TAG)
+        channel.send(P.Ready(worker.executor.vocab_size, time.perf_counter() - t0, os.getpid(), handles,
+                             worker.calibrated_step_s), P.REPLY_TAG)
         _loop(channel, DraftServer(worker, buffers))
     except Exception as err:
         # Report, so the target degrades (or, before Ready, fails to start with this message)

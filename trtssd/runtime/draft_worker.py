@@ -107,6 +107,7 @@ class DraftWorker:
         self.costs = BackupCosts()
         self.forward_costs = StepCostModel()  # chain forward seconds by rows (glue, backup drafts)
         self.tree_costs = StepCostModel()  # tree step seconds (forward and sampling) by branches
+        self.calibrated_step_s: dict[int, float] | None = None  # chain forward seconds by rows, once calibrated
         self._answered: list[int] = []  # sequences of the last answer, to pre-speculate for
         self._first: dict[int, torch.Tensor] = {}  # new sequences' prompt logits [V], until their first tree
         self._widths: dict[int, tuple[int, int]] = {}  # batch size -> (tree width, rounds left)
@@ -128,6 +129,7 @@ class DraftWorker:
             points, tree = stored["chain"], stored["tree"]
         self.forward_costs.calibrate(points)
         self.tree_costs.calibrate(tree)
+        self.calibrated_step_s = dict(points)
         log.info("draft seconds by rows (%s): chain forward %s, tree step %s", "stored" if stored else "timed",
                  {r: round(t, 4) for r, t in points.items()}, {r: round(t, 4) for r, t in tree.items()})
         return points

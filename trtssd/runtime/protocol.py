@@ -48,6 +48,7 @@ class Ready:
     load_time_s: float
     pid: int  # the draft process (lets tests and operators find it)
     buffers: object | None = None  # cuda_ipc: the draft's CudaIpcHandles, for the target to map once
+    step_s: dict[int, float] | None = None  # calibrated seconds of a draft forward by rows (None: not timed)
 
 
 @dataclass(frozen=True)

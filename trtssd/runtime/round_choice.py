@@ -41,11 +41,35 @@ nor the other mode's short tries may set the pace of tries: they would take most
 Switching itself costs (those unsteady rounds), and running sums wander, so the mode of a batch
 size is decided when a try ends (the faster one wins); between tries it changes only when the
 other mode has measured ``switch_margin`` faster, and so does a change of batch size.
+
+Where the forward costs of both ranks are known (the draft's calibration, sent when it starts,
+and the target's own, timed once per machine and model), they bound what speculation can give:
+a ``ceiling``. A try of speculation is made only while plain rounds measure slower than that
+ceiling. So speculation is never tried where one core's draft costs what plain decoding on two
+does (the default ggml engine's self-draft), or where a verify on the target's one core costs
+more than the tokens it may yield take plainly on two (the Qwen pair on 2 cores): a try opening
+with seconds of catching up was most of the gap between load control and plain decoding on
+short requests. With a ceiling, a new batch size tries plain rounds first, as they are short.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+
+def speculation_ceiling(draft_s: Callable[[int], float], target_s: Callable[[int], float],
+                        k: int) -> Callable[[int], float]:
+    """batch -> the most tokens/s speculation can give, from the seconds of a draft forward and of
+    a target forward by the rows they hold. A round yields at most K+1 tokens per row; it takes at
+    least the verify (a target forward of K+1 rows per sequence, on the target's own cores) and at
+    least K draft forwards of the batch's rows (K chain steps in sd; in ssd a hit's round waits for
+    the pre-speculation's glue and K tree steps of at least as many rows), which run at once in
+    ssd. (A miss answered by the fast backup drafts nothing, but its proposals are rarely accepted.)"""
+    return lambda batch: batch * (k + 1) / max(k * draft_s(batch), target_s(batch * (k + 1)))
 
 
 @dataclass
@@ -71,6 +95,7 @@ class _BatchSize:
     try_spent: int = 0  # rounds the try has run, measured or not
     try_s: dict[bool, float] = field(default_factory=dict)  # mode -> seconds its pending (or last) try ran
     since_probe_s: float = 0.0  # seconds of the decided mode since the last try
+    ruled_out: bool = False  # plain rounds measured at speculation's ceiling (see _ruled_out)
 
 
 @dataclass
@@ -83,6 +108,7 @@ class RoundChooser:
     max_unsteady: int = 4  # unsteady rounds in a row after which they are measured
     switch_margin: float = 0.25  # how much faster the other mode must be to switch to it on a batch change
     quiet_per_try: float = 9.0  # seconds of the decided mode before the next try, per second of the last
+    ceiling: Callable[[int], float] | None = None  # batch -> speculation's best tokens/s (speculation_ceiling)
     _by_batch: dict[int, _BatchSize] = field(default_factory=dict)
     _unsteady: int = 0  # unsteady rounds in a row
     _last: bool | None = None  # the mode of the last round
@@ -102,7 +128,7 @@ class RoundChooser:
                 b.trying = None  # rounds of the borrowed mode measure it here meanwhile
                 return inferred
             if b.trying is None:
-                self._start_try(b, True not in b.rates)
+                self._start_try(b, self._first_try(b))
         if b.trying is not None:
             b.try_spent += 1
             # A try goes on until its rounds are measured; under a stream of arrivals they may
@@ -111,11 +137,12 @@ class RoundChooser:
             if (b.try_spent <= self._try_rounds(b.trying, batch) + self.max_unsteady or b.mode is None
                     or not b.trying):
                 return b.trying
-            self._end_try(b)
+            self._end_try(b, batch)
         b.since_probe += 1
         if b.since_probe >= b.probe_every and b.since_probe_s >= self.quiet_per_try * b.try_s.get(not b.mode, 0.0):
             b.since_probe, b.since_probe_s = 0, 0.0
-            return self._start_try(b, not b.mode)
+            if b.mode or not self._ruled_out(b, batch):
+                return self._start_try(b, not b.mode)
         if self._clearly_faster(b, not b.mode):  # the load changed since the last try
             b.mode, b.probe_every = not b.mode, self.min_probe_every
         if batch != self._last_batch and self._last is not None and not self._clearly_faster(b, b.mode, self._last):
@@ -156,12 +183,19 @@ class RoundChooser:
             rate.seconds += seconds
         b.try_left -= batch
         if b.try_left <= 0:
-            self._end_try(b)
+            self._end_try(b, batch)
 
     def choice(self, batch: int) -> bool | None:
         """The mode decided at a batch size (True: speculate), None before both were tried."""
         b = self._by_batch.get(batch)
         return None if b is None else b.mode
+
+    def expects_plain(self, batch: int) -> bool:
+        """Whether rounds at a batch size will be plain for now: decided so there, or borrowed
+        from a neighbour that decided so (no try of speculation is due there)."""
+        b = self._by_batch.get(batch)
+        mode = None if b is None else b.mode
+        return mode is False or (mode is None and (b is None or b.trying is None) and self._inferred(batch) is False)
 
     def rate(self, speculative: bool, batch: int) -> float | None:
         """Measured tokens/s of a mode at a batch size (None before any round of it)."""
@@ -174,9 +208,33 @@ class RoundChooser:
         return self._by_batch.setdefault(batch, _BatchSize(probe_every=self.min_probe_every))
 
     def _clearly_faster(self, b: _BatchSize, mode: bool, than: bool | None = None) -> bool:
-        """Whether ``mode`` measured ``switch_margin`` faster than ``than`` (the other mode)."""
+        """Whether ``mode`` measured ``switch_margin`` faster than ``than`` (the other mode). A
+        mode never measured here (speculation ruled out by its ceiling) is slower than any."""
         than = (not mode) if than is None else than
-        return mode != than and b.rates[mode].value > (1 + self.switch_margin) * b.rates[than].value
+        if mode == than or mode not in b.rates:
+            return False
+        return than not in b.rates or b.rates[mode].value > (1 + self.switch_margin) * b.rates[than].value
+
+    def _first_try(self, b: _BatchSize) -> bool:
+        """The mode a new batch size tries first: speculation, unless its ceiling is known (then
+        plain rounds, whose short try may rule speculation out)."""
+        if self.ceiling is not None and False not in b.rates:
+            return False
+        return True not in b.rates
+
+    def _ruled_out(self, b: _BatchSize, batch: int) -> bool:
+        """Whether speculation cannot beat the plain rounds measured at this batch size. Once
+        ruled out it stays so until plain rounds fall ``switch_margin`` below the ceiling: their
+        rate wanders with the cache's length, and the ceiling is rarely reached."""
+        if self.ceiling is None or False not in b.rates:
+            return False
+        plain, ceiling = b.rates[False].value, self.ceiling(batch)
+        ruled_out = plain * (1 + self.switch_margin if b.ruled_out else 1) >= ceiling
+        if ruled_out and not b.ruled_out:
+            log.info("batch %d: plain rounds run at %.1f tokens/s, above the %.1f speculation can give "
+                     "with these forward costs: not tried", batch, plain, ceiling)
+        b.ruled_out = ruled_out
+        return ruled_out
 
     def _try_rows(self, speculative: bool) -> int:
         """Rows a try of a mode measures."""
@@ -191,10 +249,15 @@ class RoundChooser:
         b.try_s[speculative] = 0.0
         return speculative
 
-    def _end_try(self, b: _BatchSize) -> None:
+    def _end_try(self, b: _BatchSize, batch: int) -> None:
         """Decide with what the try measured; back off when it confirmed the mode."""
         b.trying = None
-        if len(b.rates) == 2:
+        log.debug("batch %d: a try ended; tokens/s speculative %s, plain %s, ceiling %s", batch,
+                  *(f"{b.rates[m].value:.1f}" if m in b.rates else None for m in (True, False)),
+                  None if self.ceiling is None else f"{self.ceiling(batch):.1f}")
+        if b.mode is None and True not in b.rates and self._ruled_out(b, batch):
+            b.mode = False
+        elif len(b.rates) == 2:
             before, b.mode = b.mode, b.rates[True].value >= b.rates[False].value
             b.probe_every = (min(2 * b.probe_every, self.max_probe_every) if b.mode == before
                              else self.min_probe_every)

@@ -414,9 +414,21 @@ def store_calibration(fields: Mapping[str, Any], chain: Mapping[int, float], tre
         partial.write_text(json.dumps(record, indent=1, default=str) + "\n")
         os.replace(partial, path)
     except OSError as err:
-        log.warning("could not store the draft calibration in %s: %s", folder, err)
+        log.warning("could not store the calibration in %s: %s", folder, err)
         return None
     return path
+
+
+def calibrated_forwards(executor: Executor, max_rows: int, context: int = 128, **settings: Any) -> dict[int, float]:
+    """`time_forwards`, stored per machine and model like the draft's calibration (``settings``
+    join the key: e.g. which rank times them)."""
+    fields = calibration_key_fields(executor, max_rows=max_rows, context=context, **settings)
+    stored = load_calibration(fields)
+    if stored is not None:
+        return stored["chain"]
+    chain = time_forwards(executor, max_rows, context)
+    store_calibration(fields, chain, {})
+    return chain
 
 
 def _cpu_model() -> str:

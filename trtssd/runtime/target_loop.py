@@ -31,14 +31,16 @@ from trtssd.runtime.detokenizer import IncrementalDetokenizer
 from trtssd.runtime.draft_client import DraftClient
 from trtssd.runtime.metrics import SpecMetrics
 from trtssd.runtime.affinity import CoreLending
-from trtssd.runtime.round_choice import RoundChooser
+from trtssd.runtime.round_choice import RoundChooser, speculation_ceiling
+from trtssd.runtime.speedup_model import CostCurve, calibrated_forwards
 from trtssd.runtime.transport import PeerLost
-from trtssd.sampling import SamplingParams, make_generator, processed_probs, sample
+from trtssd.sampling import SamplingParams, TokenLogprob, make_generator, processed_probs, sample, token_logprobs
 from trtssd.spec_decode.verify import verify
 
 log = logging.getLogger(__name__)
 
 STEADY_AFTER_ROUNDS = 2  # a row's first speculative rounds (after admission or plain ones) are transitional
+CEILING_MAX_ROWS = 64  # the widest target forward timed for load control's ceiling (wider: extrapolated)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator | None
     output: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
     bonus: int | None = None  # last emitted token, not yet in the target's KV
     outcome: P.Outcome | None = None  # to report to the draft next round
     finish_reason: str | None = None
@@ -75,6 +78,7 @@ class StepOutput:
     finished: bool
     finish_reason: str | None
     token_deltas: tuple[str, ...] = ()  # each new token's share of text_delta (for per-token streams)
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per new token, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,9 @@ class Verified:
 
     num_accepted: tuple[int, ...]  # drafts accepted per row
     bonus: tuple[int, ...]  # the target's token after them per row
+    # Per row, the logprobs of its accepted drafts and bonus where its SamplingParams.logprobs
+    # asks for them, else None; empty when no row asks.
+    logprobs: tuple[list[TokenLogprob] | None, ...] = ()
 
 
 class Verifier(Protocol):
@@ -97,8 +104,9 @@ class Verifier(Protocol):
         """One speculative round: ``proposals`` [B, K] from the draft, ``probs`` its q' rows
         [B, K, V] (None for greedy rows), ``point_mass`` per row."""
 
-    def plain(self, seqs: list[Sequence]) -> list[int]:
-        """One plain step (no drafts): each row's next token."""
+    def plain(self, seqs: list[Sequence]) -> Verified:
+        """One plain step: a round without drafts (nothing accepted, each row's next token as
+        its bonus)."""
 
     def check(self, params: SamplingParams) -> None:
         """Raise ValueError for sampling parameters this target cannot honour exactly."""
@@ -129,9 +137,11 @@ class ExecutorVerifier:
         accepted, bonus = tuple(result.num_accepted.tolist()), tuple(result.bonus.tolist())
         for seq, n in zip(seqs, accepted):
             self.target.commit(seq.seq_id, n + 1)
-        return Verified(accepted, bonus)
+        rows = proposals.tolist()
+        return Verified(accepted, bonus, _logprobs(seqs, logits, [rows[i][:n] + [b] for i, (n, b)
+                                                                   in enumerate(zip(accepted, bonus))]))
 
-    def plain(self, seqs: list[Sequence]) -> list[int]:
+    def plain(self, seqs: list[Sequence]) -> Verified:
         chunks = [chain_chunk(s.seq_id, [s.bonus], self.target.committed(s.seq_id)) for s in seqs]
         logits = torch.cat(self.target.forward(chunks))
         params = [s.params for s in seqs]
@@ -143,7 +153,17 @@ class ExecutorVerifier:
             nxt = sample(processed_probs(logits, params), [s.generator for s in seqs])
         for seq in seqs:
             self.target.commit(seq.seq_id, 1)
-        return nxt.tolist()
+        tokens = tuple(nxt.tolist())
+        return Verified((0,) * len(seqs), tokens, _logprobs(seqs, logits[:, None], [[t] for t in tokens]))
+
+
+def _logprobs(seqs: list[Sequence], logits: torch.Tensor, emitted: list[list[int]]) -> tuple[list[TokenLogprob] | None, ...]:
+    """Each row's emitted tokens' logprobs where its request asks for them (logits [B, n, V]
+    score row b's emitted tokens at positions 0..), or () when no row does."""
+    if all(s.params.logprobs is None for s in seqs):
+        return ()
+    return tuple(None if s.params.logprobs is None else token_logprobs(logits[i, :len(emitted[i])], emitted[i], s.params)
+                 for i, s in enumerate(seqs))
 
 
 class TargetLoop:
@@ -168,10 +188,26 @@ class TargetLoop:
         self._round = 0
         self._released: list[int] = []
         self._last_verify_s = 0.0
-        self.chooser = RoundChooser()
+        self.chooser = RoundChooser(ceiling=self._speculation_ceiling())
         self.lending = lending  # plain rounds (and prefill without a live draft) borrow the draft's cores
         self._draft_busy_until = 0.0  # when the draft ends the pre-speculation it began after its last reply
         self._last_prespec_s = 0.0
+
+    def _speculation_ceiling(self):
+        """What speculation can give at most (round_choice.speculation_ceiling), from the draft's
+        calibrated forwards and the target's own, timed here on the target's cores. None where
+        load control is off, the draft was not timed, or the target's rounds are not its forwards."""
+        if not (self.spec.plain_under_load and self.draft is not None and self.draft.step_s
+                and isinstance(self.verifier, ExecutorVerifier)):
+            return None
+        try:
+            rows = min(CEILING_MAX_ROWS, self.max_batch * (self.spec.k + 1))
+            target_s = calibrated_forwards(self.target, rows, side="target")
+        except Exception:  # noqa: BLE001 - an optimisation: load control then tries speculation
+            log.exception("timing the target's forwards failed; load control tries speculation")
+            return None
+        return speculation_ceiling(CostCurve.from_mapping(self.draft.step_s, "draft forward seconds"),
+                                   CostCurve.from_mapping(target_s, "target forward seconds"), self.spec.k)
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -244,19 +280,22 @@ class TargetLoop:
         if to_draft:  # the draft prefills the same prompts, then pre-speculates their first round
             now = time.perf_counter()
             self._draft_busy_until = max(self._draft_busy_until, now + max(now - t0, self._last_prespec_s))
-        first = sample(processed_probs(logits, [s.params for s in new]), [s.generator for s in new])
-        for seq, tok in zip(new, first.tolist()):
+        first = sample(processed_probs(logits, [s.params for s in new]), [s.generator for s in new]).tolist()
+        logprobs = _logprobs(new, logits[:, None], [[t] for t in first])
+        for i, (seq, tok) in enumerate(zip(new, first)):
             self.target.commit(seq.seq_id, len(seq.prompt))
             seq.first_token_time = time.perf_counter()
             seq.outcome = P.Outcome(seq.seq_id, 0, tok)
             self.running.append(seq)
-            self._emit(seq, [tok], outputs)
+            self._emit(seq, [tok], outputs, logprobs[i] if logprobs else None)
 
     def _draft_prefills_now(self, batch: int) -> bool:
-        """Whether the draft prefills new sequences beside the target. Not where load control has
-        decided plain rounds at this batch size: the prefill then borrows the draft's cores, and
-        the draft learns of a sequence when it first speculates (its plain tokens are glued then)."""
-        return not (self.spec.plain_under_load and self.chooser.choice(batch) is False)
+        """Whether the draft prefills new sequences beside the target. Not where load control
+        expects plain rounds at this batch size (decided there, or borrowed from a neighbour): the
+        prefill then borrows the draft's cores, plain rounds are not held to the target's own
+        cores while the draft prefills (under a stream of arrivals that halved them), and the
+        draft learns of a sequence when it first speculates (its plain tokens are glued then)."""
+        return not (self.spec.plain_under_load and self.chooser.expects_plain(batch))
 
     def _prefill_on_draft(self, seq: Sequence) -> None:
         seq.on_draft = self.draft.send(P.Prefill(seq.seq_id, tuple(seq.prompt), seq.params))
@@ -299,14 +338,15 @@ class TargetLoop:
         steady = not chosen or self.lending is None or t0 >= self._draft_busy_until
         self._take_cores(plain=steady)
         self._release_on_draft()  # the draft waits for no round's request now
-        for seq, tok in zip(seqs, self.verifier.plain(seqs)):
+        result = self.verifier.plain(seqs)
+        for i, (seq, tok) in enumerate(zip(seqs, result.bonus)):
             seq.spec_streak = 0
             if chosen:
                 seq.metrics.plain_rounds += 1
                 seq.outcome = dataclasses.replace(seq.outcome, plain=seq.outcome.plain + (tok,))
             elif self.spec.mode is not Mode.AR:
                 seq.metrics.degraded_rounds += 1
-            self._emit(seq, [tok], outputs)
+            self._emit(seq, [tok], outputs, result.logprobs[i] if result.logprobs else None)
         if chosen:
             self.chooser.observe(False, len(seqs), len(seqs), time.perf_counter() - t0, steady=steady)
 
@@ -347,7 +387,8 @@ class TargetLoop:
         for i, seq in enumerate(seqs):
             n = accepted[i]
             seq.outcome = P.Outcome(seq.seq_id, n, bonus[i])
-            emitted = self._emit(seq, proposals[i][:n] + [bonus[i]], outputs)
+            emitted = self._emit(seq, proposals[i][:n] + [bonus[i]], outputs,
+                                 result.logprobs[i] if result.logprobs else None)
             total_emitted += emitted
             # Count only what was emitted: a stop inside the round cuts accepted tokens too.
             seq.metrics.record_round(k, min(n, emitted), reply.sources[i])
@@ -358,9 +399,10 @@ class TargetLoop:
 
     # --- emission and stops ------------------------------------------------------------------
 
-    def _emit(self, seq: Sequence, tokens: list[int], outputs: list[StepOutput]) -> int:
+    def _emit(self, seq: Sequence, tokens: list[int], outputs: list[StepOutput],
+              logprobs: list[TokenLogprob] | None = None) -> int:
         """Append tokens up to the first stop (nothing past a stop is emitted) and stream their
-        text. Returns how many tokens were kept."""
+        text (and logprobs, one per token, when given). Returns how many tokens were kept."""
         params = seq.params
         new: list[int] = []
         deltas: list[str] = []
@@ -383,8 +425,10 @@ class TargetLoop:
                 break
         seq.bonus = seq.output[-1]
         seq.metrics.num_generated_tokens = len(seq.output)
+        kept_logprobs = tuple(logprobs[:len(new)]) if logprobs is not None else ()
+        seq.logprobs += kept_logprobs
         outputs.append(StepOutput(seq.seq_id, new, "".join(deltas), seq.finish_reason is not None,
-                                  seq.finish_reason, tuple(deltas)))
+                                  seq.finish_reason, tuple(deltas), kept_logprobs))
         return len(new)
 
     def _update_text(self, seq: Sequence, tok: int) -> str:

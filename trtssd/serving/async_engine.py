@@ -24,7 +24,7 @@ from typing import Sequence
 from trtssd.runtime.affinity import pin_thread
 from trtssd.runtime.metrics import SpecMetrics
 from trtssd.runtime.target_loop import StepOutput, TargetLoop
-from trtssd.sampling import SamplingParams
+from trtssd.sampling import SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class Delta:
 
     token_ids: tuple[int, ...]
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class FinishedRequest:
     e2e_s: float  # submit -> finished
     token_gaps_s: tuple[float, ...]  # between successive deltas of this request (inter-token latency)
     spec: SpecMetrics  # this request's speculation counters
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when the request asked for them
 
     @property
     def completion_tokens(self) -> int:
@@ -130,6 +132,7 @@ class _Request:
     seq_id: int | None = None
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     first_token_time: float | None = None
     last_delta_time: float | None = None
     gaps: list[float] = field(default_factory=list)
@@ -287,7 +290,8 @@ class AsyncEngine:
                 request.last_delta_time = now
             request.token_ids += out.new_token_ids
             request.text.append(out.text_delta)
-            request.stream._put(Delta(tuple(out.new_token_ids), out.text_delta))
+            request.logprobs += out.logprobs
+            request.stream._put(Delta(tuple(out.new_token_ids), out.text_delta, out.logprobs))
             if out.finished:
                 seq = self.loop.pop_finished(out.seq_id)
                 self._finish(request, out.finish_reason, seq.metrics, now)
@@ -305,6 +309,7 @@ class AsyncEngine:
             e2e_s=now - request.arrival,
             token_gaps_s=tuple(request.gaps),
             spec=spec,
+            logprobs=tuple(request.logprobs),
         )
         with self._lock:
             self._in_flight -= 1

@@ -1,7 +1,7 @@
 """OpenAI request bodies -> what the engine runs: token ids and SamplingParams, checked field by
 field.
 
-Every field is either supported, accepted only at its neutral value (``n`` = 1, ``logprobs``
+Every field is either supported, accepted only at its neutral value (``n`` = 1, ``echo``
 off, penalties 0, ...: features we do not have are refused, never ignored), or unknown and
 refused. Each refusal is an `ApiError` naming the field and what is allowed; range checks are
 SamplingParams' own messages. JSON null means "not given", as OpenAI clients send it.
@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 
 from trtssd.models.tokenizer import chat_prompt_ids, encode_text
-from trtssd.sampling import SamplingParams
+from trtssd.sampling import MAX_LOGPROBS, SamplingParams
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowedError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
@@ -64,14 +64,15 @@ class GenerationRequest:
 # Fields taken as they come (sampling, streaming, bookkeeping).
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
            "ignore_eos", "stream", "stream_options", "user", "return_token_ids")
-_SUPPORTED = {Kind.COMPLETION: _COMMON + ("prompt",), Kind.CHAT: _COMMON + ("messages", "max_completion_tokens")}
+_SUPPORTED = {Kind.COMPLETION: _COMMON + ("prompt", "logprobs"),
+              Kind.CHAT: _COMMON + ("messages", "max_completion_tokens", "logprobs", "top_logprobs")}
 
 # Fields of features we do not have: accepted only at the value that turns them off.
 _NEUTRAL = {
-    Kind.COMPLETION: {"n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (), "suffix": ("",),
+    Kind.COMPLETION: {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",),
                       "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
                       "logit_bias": ({},)},
-    Kind.CHAT: {"n": (1,), "logprobs": (False,), "top_logprobs": (0,), "frequency_penalty": (0, 0.0),
+    Kind.CHAT: {"n": (1,), "frequency_penalty": (0, 0.0),
                 "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "logit_bias": ({},), "tools": ([],),
                 "tool_choice": ("none",), "response_format": ({"type": "text"},)},
 }
@@ -212,6 +213,21 @@ def _stream_options(body: dict, stream: bool) -> bool:
     return _typed(options, "include_usage", bool, "a boolean", True)  # default True when the object is given
 
 
+def _logprobs(kind: Kind, body: dict) -> int | None:
+    """SamplingParams.logprobs from OpenAI's fields: a completion's ``logprobs`` is the number of
+    alternatives per token; a chat's ``logprobs`` turns them on and ``top_logprobs`` counts them."""
+    if kind is Kind.COMPLETION:
+        return _typed(body, "logprobs", int, "an integer")  # its range: SamplingParams' message
+    top = _typed(body, "top_logprobs", int, "an integer")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise ApiError(400, f"'top_logprobs' must be an integer in [0, {MAX_LOGPROBS}]; got {top}", "top_logprobs")
+    if not _typed(body, "logprobs", bool, "a boolean", False):
+        if top:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return None
+    return top or 0
+
+
 def _sampling_params(kind: Kind, body: dict, prompt: list[int], model: ModelInfo) -> SamplingParams:
     number = (int, float)
     max_tokens = _typed(body, "max_tokens", int, "an integer")
@@ -236,6 +252,7 @@ def _sampling_params(kind: Kind, body: dict, prompt: list[int], model: ModelInfo
         stop=(stop,) if isinstance(stop, str) else tuple(stop),
         stop_token_ids=tuple(_typed(body, "stop_token_ids", list, "a list of integers", ())),
         ignore_eos=_typed(body, "ignore_eos", bool, "a boolean", False),
+        logprobs=_logprobs(kind, body),
     )
     try:
         return SamplingParams(**options)

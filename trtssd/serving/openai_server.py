@@ -26,7 +26,7 @@ from trtssd.config import Mode
 from trtssd.llm import LLM
 from trtssd.serving.async_engine import DEFAULT_MAX_WAITING, AsyncEngine, EngineDead, Overloaded, RequestStream
 from trtssd.serving.openai_requests import ApiError, GenerationRequest, Kind, ModelInfo, parse_json, parse_request
-from trtssd.serving.openai_responses import DONE, ResponseHeader, chunk, full_response, sse, usage_chunk
+from trtssd.serving.openai_responses import DONE, Logprobs, ResponseHeader, chunk, full_response, sse, usage_chunk
 from trtssd.serving.prometheus_metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -104,10 +104,16 @@ class OpenAIServer:
         req = parse_request(kind, parse_json(await request.body()), self.model)
         stream = self._submit(req)
         header = ResponseHeader.new(kind, self.model.name)
+        logprobs = None if req.params.logprobs is None else Logprobs(kind, self._token_text)
         if req.stream:
-            return StreamingResponse(self._events(stream, req, header), media_type="text/event-stream")
+            return StreamingResponse(self._events(stream, req, header, logprobs), media_type="text/event-stream")
         final = await self._collect(stream, request)
-        return JSONResponse(full_response(header, req, final))
+        return JSONResponse(full_response(header, req, final, logprobs))
+
+    def _token_text(self, token_id: int) -> str:
+        """One token's text, as logprobs name it (vLLM's "token_id:N" without a tokenizer)."""
+        tokenizer = self.model.tokenizer
+        return f"token_id:{token_id}" if tokenizer is None else tokenizer.decode([token_id])
 
     def _submit(self, req: GenerationRequest) -> RequestStream:
         try:
@@ -117,7 +123,8 @@ class OpenAIServer:
         except (Overloaded, EngineDead) as err:
             raise ApiError(503, str(err)) from None
 
-    async def _events(self, stream: RequestStream, req: GenerationRequest, header: ResponseHeader):
+    async def _events(self, stream: RequestStream, req: GenerationRequest, header: ResponseHeader,
+                      logprobs: Logprobs | None):
         """The SSE body. A client that goes away cancels this generator: the request is aborted
         and its rows freed before the next round."""
         try:
@@ -127,7 +134,8 @@ class OpenAIServer:
                 # Every step's new tokens go out at once, as vLLM streams them, even when their text
                 # is empty (a special token, or text held back): a client sees each token's time.
                 if delta.text or delta.token_ids:
-                    yield sse(chunk(header, req, delta.text, delta.token_ids))
+                    lp = None if logprobs is None else logprobs.payload(delta.logprobs)
+                    yield sse(chunk(header, req, delta.text, delta.token_ids, logprobs=lp))
             yield sse(chunk(header, req, "", finish_reason=stream.final.finish_reason))
             if req.include_usage:
                 yield sse(usage_chunk(header, stream.final))

@@ -93,6 +93,9 @@ def check_supported(params: SamplingParams) -> None:
     if params.min_p > 0:
         raise ValueError("SamplingParams.min_p must be 0 with the TensorRT-LLM target: its external-draft-token "
                          f"acceptance applies temperature, top_k and top_p only; got {params.min_p}")
+    if params.logprobs is not None:
+        raise ValueError("SamplingParams.logprobs must be None with the TensorRT-LLM target: its rounds do not "
+                         f"return the distribution they verify with; got {params.logprobs}")
 
 
 def sampling_config_fields(params: SamplingParams) -> dict:

@@ -56,9 +56,8 @@ class TrtllmVerifier:
                     for i, s in enumerate(seqs)]
         return self._run(seqs, requests)
 
-    def plain(self, seqs: list[Row]) -> list[int]:
-        requests = [self._request(s, [], None, False) for s in seqs]
-        return list(self._run(seqs, requests).bonus)
+    def plain(self, seqs: list[Row]) -> Verified:
+        return self._run(seqs, [self._request(s, [], None, False) for s in seqs])
 
     def _request(self, seq: Row, drafts: list[int], q_rows: torch.Tensor | None, point_mass: bool) -> VerifyRequest:
         # No end id: the loop applies stops itself (eos unless ignore_eos, stop ids, stop

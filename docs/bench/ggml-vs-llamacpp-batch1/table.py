@@ -1,6 +1,7 @@
 """The README's and docs/benchmarks.md's tables, read from the results run.sh wrote beside this file.
 
-Usage: python docs/bench/ggml-vs-llamacpp-batch1/table.py   (prints one markdown table per engine)
+Usage: python docs/bench/ggml-vs-llamacpp-batch1/table.py   (prints markdown tables per engine:
+greedy, then temperature 0.8)
 """
 
 from __future__ import annotations
@@ -23,23 +24,24 @@ ROWS = (
     ("llama.cpp, 1 thread", "one-core-per-rank", "llama.cpp"),
     ("llama.cpp sd, 1 + 1 threads", "one-core-per-rank", "llama.cpp-sd"),
 )
+TEMPERATURES = (0.0, 0.8)
 
 
-def rates(engine: str, layout: str) -> dict[tuple[str, str], float]:
-    """(system, dataset) -> tokens/s including prefill."""
+def rates(engine: str, layout: str) -> dict[tuple[str, str, float], float]:
+    """(system, dataset, temperature) -> tokens/s including prefill."""
     path = HERE / engine / layout / "results.json"
     if not path.is_file():
         return {}
     runs = json.loads(path.read_text())["runs"]
-    return {(r["key"]["system"], r["key"]["dataset"]): r["summary"]["tokens_per_s"]
+    return {(r["key"]["system"], r["key"]["dataset"], r["key"]["temperature"]): r["summary"]["tokens_per_s"]
             for r in runs if r["error"] is None}
 
 
-def table(engine: str) -> str:
+def table(engine: str, temperature: float) -> str:
     by_layout = {layout: rates(engine, layout) for layout in ("one-core-per-rank", "two-threads")}
     lines = ["| system | HumanEval | chat | math |", "|---|---:|---:|---:|"]
     for label, layout, system in ROWS:
-        values = [by_layout[layout].get((system, d)) for d in DATASETS]
+        values = [by_layout[layout].get((system, d, temperature)) for d in DATASETS]
         if any(v is not None for v in values):
             cells = " | ".join("-" if v is None else f"{v:.1f}" for v in values)
             lines.append(f"| {label} | {cells} |")
@@ -48,7 +50,8 @@ def table(engine: str) -> str:
 
 def main() -> None:
     for engine in sorted(p.name for p in HERE.iterdir() if p.is_dir()):
-        print(f"{engine}:\n\n{table(engine)}\n")
+        for temperature in TEMPERATURES:
+            print(f"{engine}, temperature {temperature}:\n\n{table(engine, temperature)}\n")
 
 
 if __name__ == "__main__":

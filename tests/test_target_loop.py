@@ -423,6 +423,10 @@ def test_unmeasured_batch_sizes_borrow_the_choice_of_their_neighbours():
     for spec, rate in ((True, 9.0), (False, 5.0)):
         chooser.observe(spec, 1, int(rate), 1.0)  # speculation won at 1
     assert chooser.expects_plain(4) and chooser.expects_plain(6) and not chooser.expects_plain(2)
+    with_ceiling = RoundChooser(ceiling=lambda batch: 50.0)
+    assert with_ceiling.expects_plain(1)  # nothing measured: plain rounds are tried first
+    with_ceiling.observe(False, 1, 1, 0.1)  # plain rounds at 10 tokens/s, below the ceiling
+    assert not with_ceiling.expects_plain(1)  # speculation is tried next
     assert chooser.speculate(6) is False  # larger than a batch where plain won
     assert chooser.speculate(2) is True  # between: no borrowed answer, so tried, speculation first
     chooser = RoundChooser()

@@ -191,11 +191,18 @@ class RoundChooser:
         return None if b is None else b.mode
 
     def expects_plain(self, batch: int) -> bool:
-        """Whether rounds at a batch size will be plain for now: decided so there, or borrowed
-        from a neighbour that decided so (no try of speculation is due there)."""
+        """Whether rounds at a batch size will be plain for now: decided so there, a try of plain
+        rounds pending or due first (with a ceiling, a new batch size tries them first), or
+        borrowed from a neighbour that decided so."""
         b = self._by_batch.get(batch)
-        mode = None if b is None else b.mode
-        return mode is False or (mode is None and (b is None or b.trying is None) and self._inferred(batch) is False)
+        if b is not None and b.mode is not None:
+            return b.mode is False
+        if b is not None and b.trying is not None:
+            return not b.trying
+        inferred = self._inferred(batch)
+        if inferred is not None:
+            return not inferred
+        return self.ceiling is not None and (b is None or False not in b.rates)
 
     def rate(self, speculative: bool, batch: int) -> float | None:
         """Measured tokens/s of a mode at a batch size (None before any round of it)."""

@@ -291,10 +291,11 @@ class TargetLoop:
 
     def _draft_prefills_now(self, batch: int) -> bool:
         """Whether the draft prefills new sequences beside the target. Not where load control
-        expects plain rounds at this batch size (decided there, or borrowed from a neighbour): the
-        prefill then borrows the draft's cores, plain rounds are not held to the target's own
-        cores while the draft prefills (under a stream of arrivals that halved them), and the
-        draft learns of a sequence when it first speculates (its plain tokens are glued then)."""
+        expects plain rounds at this batch size (decided there, borrowed from a neighbour, or its
+        first try): the prefill then borrows the draft's cores, plain rounds are not held to the
+        target's own cores while the draft prefills (under a stream of arrivals that halved them),
+        and the draft learns of a sequence when it first speculates (its plain tokens are glued
+        then)."""
         return not (self.spec.plain_under_load and self.chooser.expects_plain(batch))
 
     def _prefill_on_draft(self, seq: Sequence) -> None:

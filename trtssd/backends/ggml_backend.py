@@ -402,8 +402,7 @@ class GgmlExecutor:
             start += len(entries)
         for a, b in _pieces(len(short), _SHORT_PIECE):
             entries = [e for _, e in short[a:b]]
-            padded = (len(entries) == 1 and self.threads > 1 and not self.split_single_rows
-                      and self._allocated + 1 > _SPLIT_AFTER)
+            padded = self._splits(len(entries), self._allocated)
             if padded:  # a filler token beside it: two rows are not split across threads
                 entries.append((0, 0, self._filler, False))
             rows.append((short[a][0], self._decode(entries)))
@@ -412,13 +411,17 @@ class GgmlExecutor:
         rows.sort(key=lambda r: r[0])
         return torch.cat([r for _, r in rows])
 
+    def _splits(self, tokens: int, cells: int) -> bool:
+        """Whether llama.cpp would split a forward of ``tokens`` across threads over a cache of
+        ``cells`` cells before it (changing the row's sums), unless a filler row goes beside it."""
+        return tokens == 1 and self.threads > 1 and not self.split_single_rows and cells + 1 > _SPLIT_AFTER
+
     def _trash_splits(self, total: int) -> bool:
         """Whether a one-token forward would need a filler row only because trashed cells push
         the cache past the split (a plain round after other requests came and went): compacting
         first costs a copy of the few live cells, a filler row a whole extra row per token."""
-        live = self._allocated - self._trashed
-        return (total == 1 and self._trashed > 0 and self.threads > 1 and not self.split_single_rows
-                and live + total <= _SPLIT_AFTER < self._allocated + total)
+        return (self._trashed > 0 and self._splits(total, self._allocated)
+                and not self._splits(total, self._allocated - self._trashed))
 
     def _align(self, position: int) -> None:
         """Pad the cache with filler tokens (trashed at once) until the next cell's index is

@@ -23,7 +23,7 @@ from typing import Sequence
 
 from trtssd.runtime.affinity import pin_thread
 from trtssd.runtime.metrics import SpecMetrics
-from trtssd.runtime.target_loop import StepOutput, TargetLoop
+from trtssd.runtime.target_loop import Sequence as TargetSequence, StepOutput, TargetLoop
 from trtssd.sampling import SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,6 @@ class _Request:
     seq_id: int | None = None
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
     first_token_time: float | None = None
     last_delta_time: float | None = None
     gaps: list[float] = field(default_factory=list)
@@ -277,7 +276,7 @@ class AsyncEngine:
             return  # finished meanwhile, or never accepted
         seq = self.loop.abort(request.seq_id)
         if seq is not None:
-            self._finish(request, "abort", seq.metrics, time.perf_counter())
+            self._finish(request, "abort", seq, time.perf_counter())
 
     def _deliver(self, outputs: list[StepOutput], now: float) -> None:
         for out in outputs:
@@ -290,13 +289,12 @@ class AsyncEngine:
                 request.last_delta_time = now
             request.token_ids += out.new_token_ids
             request.text.append(out.text_delta)
-            request.logprobs += out.logprobs
             request.stream._put(Delta(tuple(out.new_token_ids), out.text_delta, out.logprobs))
             if out.finished:
                 seq = self.loop.pop_finished(out.seq_id)
-                self._finish(request, out.finish_reason, seq.metrics, now)
+                self._finish(request, out.finish_reason, seq, now)
 
-    def _finish(self, request: _Request, reason: str, spec: SpecMetrics, now: float) -> None:
+    def _finish(self, request: _Request, reason: str, seq: TargetSequence, now: float) -> None:
         del self._by_id[request.stream.request_id]
         del self._by_seq[request.seq_id]
         record = FinishedRequest(
@@ -308,8 +306,8 @@ class AsyncEngine:
             ttft_s=None if request.first_token_time is None else request.first_token_time - request.arrival,
             e2e_s=now - request.arrival,
             token_gaps_s=tuple(request.gaps),
-            spec=spec,
-            logprobs=tuple(request.logprobs),
+            spec=seq.metrics,
+            logprobs=tuple(seq.logprobs),
         )
         with self._lock:
             self._in_flight -= 1

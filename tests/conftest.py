@@ -1,5 +1,37 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 # tests/ helpers (tiny_models) importable from every test module
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny random Llama target and a draft that mostly agrees with it (no tokenizer)."""
+    from tiny_models import make_tiny_pair
+
+    return make_tiny_pair(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_pair):
+    """Opens an ssd `LLM` on ``tiny_pair`` in this process (max_seq_len 256 unless given), with
+    any other option; ``target``: a copy of the tiny target (with a tokenizer, say) instead."""
+    from trtssd import LLM, ModelRef
+
+    def make(target: Path | None = None, **options):
+        return LLM(target=ModelRef(str(target or tiny_pair[0])), draft=ModelRef(str(tiny_pair[1])), mode="ssd",
+                   launch="local", **{"max_seq_len": 256, **options})
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """The default engine's tokenizer (SmolLM2's byte-level BPE)."""
+    from trtssd.build import default_engine
+    from trtssd.models.tokenizer import load_tokenizer
+
+    return load_tokenizer(default_engine())

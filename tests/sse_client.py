@@ -1,5 +1,12 @@
-"""A small OpenAI-streaming client for the serving tests: parses the SSE stream of one request
-into what a client would keep, and reads numbers from /metrics (prometheus_client's parser)."""
+"""The serving tests' raw streaming client: reads the SSE stream of one request into what a
+client would keep, and reads numbers from /metrics (prometheus_client's parser).
+
+A test that needs only the chunks is better served by the `openai` client's streaming. This one
+is for tests that must see the stream as sent: the official client stops at ``data: [DONE]``
+without saying whether it came (a truncated stream looks complete to it), and turns an error
+event into an exception, dropping what followed it. The events are split by the benchmark's
+decoder (trtssd.bench.serve.SSEDecoder), so the repository has a single one.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,8 @@ from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from trtssd.bench.serve import SSEDecoder
 
 
 @dataclass
@@ -18,7 +27,7 @@ class Streamed:
     finish_reason: str | None = None
     usage: dict | None = None
     error: dict | None = None
-    done: bool = False  # saw data: [DONE]
+    done: bool = False  # saw data: [DONE]; what the openai client cannot tell
 
 
 def add_event(result: Streamed, data: str) -> None:
@@ -40,12 +49,12 @@ def add_event(result: Streamed, data: str) -> None:
 
 
 async def stream_request(client: httpx.AsyncClient, path: str, body: dict) -> Streamed:
-    result = Streamed()
+    result, decoder = Streamed(), SSEDecoder()
     async with client.stream("POST", path, json={**body, "stream": True}) as response:
         assert response.status_code == 200, await response.aread()
-        async for line in response.aiter_lines():
-            if line.startswith("data: "):
-                add_event(result, line[len("data: "):])
+        async for chunk in response.aiter_bytes():
+            for data in decoder.feed(chunk):
+                add_event(result, data)
     return result
 
 

@@ -14,25 +14,14 @@ import random
 
 import pytest
 
-from trtssd.config import SpeculativeConfig
+from token_text import MIXED_TEXT, CountingTokenizer, one_token, token_ids
 from trtssd.runtime.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer
-from trtssd.runtime.target_loop import Sequence, TargetLoop
-from trtssd.sampling import SamplingParams
 
 CORPUS = ["Hello world, this is a tiny corpus.", "The quick brown fox jumps over the lazy dog.",
           "naïve café, 世界 你好 🎉 ok"] * 20
-MIXED_TEXT = "Hi 世界! naïve café 🎉🎉 — ok 你好 😀 the end."
 
 
 # --- tokenizers ------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    from trtssd.build import default_engine
-    from trtssd.models.tokenizer import load_tokenizer
-
-    return load_tokenizer(default_engine())
 
 
 def _wrap(backend, **special):
@@ -84,32 +73,6 @@ def tokenizer(request):
     return request.getfixturevalue(request.param)
 
 
-def _ids(tok, text: str) -> list[int]:
-    return tok.encode(text, add_special_tokens=False)
-
-
-def _one_token(tok, text: str) -> int:
-    ids = _ids(tok, text)
-    assert len(ids) == 1, f"{text!r} is {len(ids)} tokens"
-    return ids[0]
-
-
-class CountingTokenizer:
-    """A tokenizer that counts its decode calls and the token ids they decode."""
-
-    def __init__(self, tok):
-        self._tok = tok
-        self.calls = 0
-        self.ids_decoded = 0
-        self.longest = 0
-
-    def decode(self, ids, **kwargs):
-        self.calls += 1
-        self.ids_decoded += len(ids)
-        self.longest = max(self.longest, len(ids))
-        return self._tok.decode(ids, **kwargs)
-
-
 def _run(tok, ids: list[int], stop=()) -> tuple[list[str], IncrementalDetokenizer, int]:
     """Deltas for ids one by one (until a stop string), then the flush; and how many ids were used."""
     detok = IncrementalDetokenizer(tok, stop)
@@ -123,113 +86,11 @@ def _run(tok, ids: list[int], stop=()) -> tuple[list[str], IncrementalDetokenize
     return deltas, detok, used
 
 
-# --- the target loop: what a request streams -------------------------------------------------
-
-
-def _loop(tok) -> TargetLoop:
-    # _emit needs only the tokenizer and the EOS ids: no executor, no draft.
-    return TargetLoop(None, SpeculativeConfig(mode="ar"), max_batch=1, tokenizer=tok,
-                      eos_token_ids=(tok.eos_token_id,))
-
-
-def _stream(loop: TargetLoop, params: SamplingParams, rounds: list[list[int]]):
-    """Emit rounds of tokens as the target's rounds would; returns the sequence and its outputs."""
-    seq = Sequence(0, [1], params, None)
-    outputs = []
-    for tokens in rounds:
-        loop._emit(seq, tokens, outputs)
-        if seq.finish_reason:
-            break
-    return seq, outputs
-
-
-def test_a_stop_string_straddling_two_steps_is_never_sent_then_taken_back(smollm2):
-    """The reported case: 'F', then 'A' (could start the stop 'AX'), then 'X' completes it. The old
-    code sent 'F', 'A', then the whole cut text 'F' again."""
-    F, A, X = (_one_token(smollm2, c) for c in "FAX")
-    seq, outputs = _stream(_loop(smollm2), SamplingParams(max_tokens=10, stop=("AX",)), [[F], [A], [X]])
-    assert [o.text_delta for o in outputs] == ["F", "", ""]
-    assert seq.text == "F" and seq.finish_reason == "stop"
-    assert seq.output == [F, A, X]  # cut after the token that completed the stop string
-    assert outputs[-1].finished
-
-
-def test_held_text_that_turns_out_not_to_be_a_stop_is_sent_later(smollm2):
-    F, A, B = (_one_token(smollm2, c) for c in "FAB")
-    seq, outputs = _stream(_loop(smollm2), SamplingParams(max_tokens=3, stop=("AX",)), [[F], [A], [B]])
-    assert [o.text_delta for o in outputs] == ["F", "", "AB"]
-    assert seq.text == "FAB" and seq.finish_reason == "length"
-
-
-def test_held_text_is_flushed_when_the_request_ends_otherwise(smollm2):
-    F, A = (_one_token(smollm2, c) for c in "FA")
-    eos = smollm2.eos_token_id
-    seq, outputs = _stream(_loop(smollm2), SamplingParams(max_tokens=2, stop=("AX",)), [[F], [A]])
-    assert [o.text_delta for o in outputs] == ["F", "A"] and seq.finish_reason == "length"
-    seq, outputs = _stream(_loop(smollm2), SamplingParams(max_tokens=9, stop=("AX",)), [[F, A, eos, F]])
-    assert outputs[0].text_delta == "FA" and seq.text == "FA" and seq.output == [F, A, eos]
-    # An incomplete character at max_tokens goes out as it decodes (U+FFFD), like the full decode.
-    part = _ids(smollm2, "世")[:-1]
-    seq, outputs = _stream(_loop(smollm2), SamplingParams(max_tokens=len(part)), [part])
-    assert seq.text == smollm2.decode(part) and seq.text.endswith("\ufffd")
-
-
-def test_emit_keeps_tokens_up_to_the_stop_and_says_how_many(smollm2):
-    F, A, X, B = (_one_token(smollm2, c) for c in "FAXB")
-    loop = _loop(smollm2)
-    seq, outputs = Sequence(0, [1], SamplingParams(max_tokens=10, stop=("AX",)), None), []
-    assert loop._emit(seq, [F, A], outputs) == 2
-    assert loop._emit(seq, [X, B, B], outputs) == 1  # X completes the stop; the Bs are cut
-    assert seq.output == [F, A, X] and outputs[-1].new_token_ids == [X]
-    seq, outputs = Sequence(1, [1], SamplingParams(max_tokens=3), None), []
-    assert loop._emit(seq, [F, A, X, B], outputs) == 3 and seq.finish_reason == "length"
-    seq, outputs = Sequence(2, [1], SamplingParams(max_tokens=10, stop_token_ids=(A,)), None), []
-    assert loop._emit(seq, [F, A, X], outputs) == 2 and seq.text == "FA"
-
-
-def test_each_token_of_a_round_carries_its_own_delta(smollm2):
-    ids = _ids(smollm2, MIXED_TEXT)
-    rounds = [ids[i:i + 4] for i in range(0, len(ids), 4)]
-    seq, outputs = _stream(_loop(smollm2), SamplingParams(max_tokens=len(ids)), rounds)
-    for out in outputs:
-        assert len(out.token_deltas) == len(out.new_token_ids) and "".join(out.token_deltas) == out.text_delta
-    pieces = [d for out in outputs for d in out.token_deltas]
-    assert "".join(pieces) == seq.text == MIXED_TEXT
-    assert not any("\ufffd" in d for d in pieces)  # a split character goes out whole, once
-    assert sum(1 for d in pieces if d) > len(MIXED_TEXT.split())  # per token, not per round
-
-
-def test_the_stop_does_not_depend_on_how_tokens_are_grouped_into_rounds(smollm2):
-    """A speculative round commits several tokens at once; ar commits one. Same tokens, same
-    output."""
-    ids = _ids(smollm2, "The quick brown fox jumps over the lazy dog.")
-    # "brown" completes first, though "quick brown fox" starts earlier: the old code cut the
-    # text at whichever started first among the stops in a whole round's text.
-    params = SamplingParams(max_tokens=len(ids), stop=("quick brown fox", "brown"))
-    results = set()
-    for size in (1, 2, 3, len(ids)):
-        seq, _ = _stream(_loop(smollm2), params, [ids[i:i + size] for i in range(0, len(ids), size)])
-        results.add((seq.text, tuple(seq.output)))
-    assert results == {("The quick ", tuple(ids[:len(_ids(smollm2, "The quick brown"))]))}
-
-
-def test_work_per_token_stays_bounded_in_the_loop(smollm2):
-    """The old code decoded the whole output at every emit: quadratic in its length."""
-    ids = _ids(smollm2, MIXED_TEXT * 40)
-    counting = CountingTokenizer(smollm2)
-    loop = _loop(smollm2)
-    loop.tokenizer = counting
-    seq, outputs = _stream(loop, SamplingParams(max_tokens=len(ids), stop=("never seen",)), [[t] for t in ids])
-    assert seq.text == MIXED_TEXT * 40 and len(ids) > 1000
-    assert counting.longest <= 8  # a window of a few tokens, however long the output
-    assert counting.calls <= 2 * len(ids) + 2 and counting.ids_decoded <= 8 * len(ids)
-
-
 # --- the detokenizer on its own, over three tokenizers ---------------------------------------
 
 
 def test_text_round_trips_with_whole_characters_per_delta(tokenizer):
-    ids = _ids(tokenizer, MIXED_TEXT)
+    ids = token_ids(tokenizer, MIXED_TEXT)
     assert len(ids) > len(MIXED_TEXT.split()) * 2  # CJK and emoji are split over several tokens
     # Tokens decoded one by one lose characters (and, SentencePiece, spaces): the test can fail.
     assert "".join(tokenizer.decode([i]) for i in ids) != MIXED_TEXT
@@ -250,7 +111,7 @@ def test_text_round_trips_with_whole_characters_per_delta(tokenizer):
     ("no stop here", ("xyz", "here!"), "no stop here"),
 ])
 def test_stop_strings(tokenizer, text, stops, expected):
-    ids = _ids(tokenizer, text)
+    ids = token_ids(tokenizer, text)
     deltas, detok, used = _run(tokenizer, ids, stops)
     assert "".join(deltas) == detok.text == expected
     if detok.stop_string is not None:
@@ -262,7 +123,7 @@ def test_stop_strings(tokenizer, text, stops, expected):
 
 
 def test_a_stop_string_fed_one_character_token_at_a_time_is_never_sent(smollm2):
-    ids = [_one_token(smollm2, c) for c in "xaababc"]
+    ids = [one_token(smollm2, c) for c in "xaababc"]
     deltas, detok, used = _run(smollm2, ids, ("abab", "abc"))
     assert deltas == ["x", "", "a", "", "", "", ""] and detok.text == "xa" and used == 6
     assert detok.stop_string == "abab"
@@ -270,16 +131,16 @@ def test_a_stop_string_fed_one_character_token_at_a_time_is_never_sent(smollm2):
 
 def test_tokens_after_a_stop_are_refused(smollm2):
     detok = IncrementalDetokenizer(smollm2, ("F",))
-    detok.add(_one_token(smollm2, "F"))
+    detok.add(one_token(smollm2, "F"))
     with pytest.raises(RuntimeError, match="after a stop string"):
-        detok.add(_one_token(smollm2, "A"))
+        detok.add(one_token(smollm2, "A"))
 
 
 def test_invalid_bytes_forever_keep_the_window_bounded(smollm2):
     """A model that emits bytes that never make a character: U+FFFD goes out as it is after a
     while, rather than the window growing with the output."""
     lone = _byte_token(smollm2, 0x80)  # a continuation byte with nothing to continue
-    ids = [_one_token(smollm2, "F")] + [lone] * 200 + [_one_token(smollm2, "A")]
+    ids = [one_token(smollm2, "F")] + [lone] * 200 + [one_token(smollm2, "A")]
     counting = CountingTokenizer(smollm2)
     deltas, detok, _ = _run(counting, ids)
     assert "".join(deltas) == smollm2.decode(ids) == "F" + "\ufffd" * 200 + "A"
@@ -378,9 +239,32 @@ def test_random_streams_with_stop_strings_match_the_full_decode(request, name):
 @pytest.mark.parametrize("name", TOKENIZERS)
 def test_long_output_decodes_a_bounded_window_per_token(request, name):
     tok = request.getfixturevalue(name)
-    ids = _ids(tok, MIXED_TEXT * 60)
+    ids = token_ids(tok, MIXED_TEXT * 60)
     counting = CountingTokenizer(tok)
     deltas, detok, _ = _run(counting, ids, ("never seen", "Hi 世界?"))
     assert "".join(deltas) == MIXED_TEXT * 60 and len(ids) >= 1000
     assert counting.longest <= 8
     assert counting.calls <= 2 * len(ids) + 2 and counting.ids_decoded <= 8 * len(ids)
+
+
+def test_tokenizers_decode_stream_raises_where_our_decoder_goes_on(sentencepiece_like):
+    """Why IncrementalDecoder is not tokenizers' DecodeStream: on a byte-fallback tokenizer, a
+    run of byte tokens that is not valid UTF-8 (a sampled output can hold one) makes DecodeStream
+    raise, which would fail the request. Our decoder sends such bytes as U+FFFD and goes on (how
+    many U+FFFD a run becomes can differ from the full decode, which groups the run whole)."""
+    from tokenizers.decoders import DecodeStream
+
+    backend = sentencepiece_like.backend_tokenizer
+    rng = random.Random(0)
+    raised = 0
+    for _ in range(40):
+        ids = [rng.randrange(len(sentencepiece_like)) for _ in range(40)]
+        stream = DecodeStream(skip_special_tokens=True)
+        try:
+            for i in ids:
+                stream.step(backend, i)
+        except Exception:  # noqa: BLE001 - tokenizers raises a plain Exception ("Invalid prefix")
+            raised += 1
+        deltas, detok, _ = _run(sentencepiece_like, ids)
+        assert "".join(deltas) == detok.text
+    assert raised > 20

@@ -22,7 +22,8 @@ from trtssd.backends.base import chain_chunk
 from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.bench.cli import build_parser as bench_parser
 from trtssd.bench.cli import config_from_args as bench_config
-from trtssd.cli import _llm_options, build_parser, main
+from trtssd.cli import build_parser, main
+from trtssd.cli_options import engine_options
 from trtssd.config import RuntimeConfig, Transport
 from trtssd.devices import resolve_device
 from trtssd.models.config import ModelConfig, RopeConfig
@@ -172,9 +173,9 @@ def test_executor_on_device_matches_cpu_logits(tiny, device):
 def test_cli_device_flags_reach_the_llm_options(command):
     args = build_parser().parse_args(command + ["--target-device", "cuda:1", "--draft-device", "cuda",
                                                 "--transport", "cuda_ipc"])
-    opts = _llm_options(args)
+    opts = engine_options(args)
     assert (opts["target_device"], opts["draft_device"], opts["transport"]) == ("cuda:1", "cuda", "cuda_ipc")
-    assert not {"target_device", "draft_device", "transport"} & set(_llm_options(build_parser().parse_args(command)))
+    assert not {"target_device", "draft_device", "transport"} & set(engine_options(build_parser().parse_args(command)))
 
 
 def test_cli_generate_has_the_device_flags():

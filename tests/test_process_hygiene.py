@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tiny_models import make_tiny_pair
-from trtssd.runtime.processes import mapped_segments
+from trtssd.runtime.processes import ProcessTree, descendants, mapped_segments, start_time
 
 READY_TIMEOUT_S = 240.0  # a child importing torch and loading two tiny models on a busy machine
 
@@ -38,12 +38,12 @@ time.sleep(600)
 
 MPI_USER_SCRIPT = """
 import os
+from trtssd.runtime.processes import mapped_segments
 from trtssd.runtime.transport import require_mpi
 MPI = require_mpi('this test')
 assert MPI.Is_initialized() and not MPI.Is_finalized()
 assert MPI.Query_thread() == MPI.THREAD_MULTIPLE, MPI.Query_thread()
-maps = open(f'/proc/{os.getpid()}/maps').read()
-print('mpich' if '/dev/shm/mpich_' in maps else 'no mpich segment', flush=True)
+print('mpich' if mapped_segments(os.getpid(), ('mpich_',)) else 'no mpich segment', flush=True)
 """
 
 
@@ -125,3 +125,51 @@ def test_user_mpi_import_after_trtssd_still_initialises_mpi():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["True", "1"], proc.stdout
+
+
+
+TREE_CHILD = """
+import subprocess, sys
+subprocess.run([sys.executable, '-c', sys.argv[1], sys.argv[2]], start_new_session=True)
+"""
+
+TREE_GRANDCHILD = """
+import mmap, os, sys, time
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR)
+os.ftruncate(fd, 4096)
+segment = mmap.mmap(fd, 4096)
+time.sleep(600)
+"""
+
+
+def test_ending_a_process_tree_kills_a_stopped_grandchild_and_removes_its_segment(tmp_path):
+    """As hydra's proxy and rank are, the grandchild runs in a session of its own; stopped, it
+    never acts on a signal its parent could pass on: ProcessTree.end kills the tree's processes
+    one by one and removes the segment the grandchild mapped."""
+    prefix = f"trtssd-test-tree-{os.getpid()}"
+    path = f"/dev/shm/{prefix}"
+    stderr = tmp_path / "stderr.txt"
+    with open(stderr, "w") as err:
+        tree = ProcessTree([sys.executable, "-c", TREE_CHILD, TREE_GRANDCHILD, path], stderr=err,
+                           shm_prefixes=(prefix,))
+    processes = [tree.process.pid]
+    try:
+        deadline = time.monotonic() + 60
+        while not any(mapped_segments(pid, (prefix,)) for pid in descendants(tree.process.pid)):
+            assert tree.running() and time.monotonic() < deadline, stderr.read_text()
+            time.sleep(0.05)
+        tree.record()
+        processes += descendants(tree.process.pid)
+        for pid in processes:
+            os.kill(pid, signal.SIGSTOP)
+        leftovers = tree.end()
+        assert not [pid for pid in processes if start_time(pid) is not None]
+        assert sorted(leftovers.killed) == sorted(processes) and leftovers.removed == [path]
+        assert not os.path.exists(path)
+    finally:
+        for pid in processes:
+            if start_time(pid) is not None:
+                os.kill(pid, signal.SIGKILL)
+        tree.end()
+        if os.path.exists(path):
+            os.unlink(path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trtssd.spec_decode.saguaro import saguaro_probs, select_forks, select_forks_batched
+from trtssd.spec_decode.saguaro import saguaro_probs, select_forks, select_forks_batched, top_tokens
 
 
 def _random_q(seed: int, rows: int, vocab: int, spread: float = 1.5) -> torch.Tensor:
@@ -146,6 +146,14 @@ def test_batched_forks_match_single_sequence_forks():
         assert len(single) == int(fanout[i].sum())
         for depth in range(k):
             assert (depth, int(proposals[i, depth])) not in single
+
+
+def test_without_proposals_the_forks_are_the_top_guesses_ties_included():
+    """K = 0, a new sequence's first token: the top-F of top_tokens itself, even where a tie
+    straddles rank F (ranking F + 1 tokens could fork the other tied one)."""
+    q = torch.tensor([[0.4, 0.15, 0.15, 0.15, 0.15, 0.0, 0.0, 0.0]])
+    for f in range(8):
+        assert select_forks(q, torch.zeros(0, dtype=torch.long), [f]) == [(0, t) for t in top_tokens(q[0], f).tolist()]
 
 
 def test_bad_fanout_is_rejected():

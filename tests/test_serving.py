@@ -10,7 +10,6 @@ import os
 import re
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -18,8 +17,7 @@ import pytest
 import torch
 
 from sse_client import add_event, scrape, stream_request, Streamed
-from tiny_models import make_tiny_llama
-from trtssd import LLM, ModelRef, SamplingParams
+from trtssd import LLM, SamplingParams
 from trtssd.backends.base import chain_chunk
 from trtssd.backends.loading import load_executor
 from trtssd.build import resolve_models
@@ -118,11 +116,11 @@ def test_a_token_without_text_is_streamed_when_it_is_made(served, client):
     """SmolLM2's first token for this raw prompt is <|im_end|>, which decodes to no text. It is
     streamed at once as a chunk with empty text, as vLLM does (before, the first chunk waited for
     the next round's text, and a client measured that round as its time to first token)."""
-    llm = served[0]
     prompt = "Why is the sky blue during the day but red at sunset?"
-    first = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))[0].token_ids[0]
-    assert llm.tokenizer.decode([first], skip_special_tokens=True) == ""  # the premise
     body = {"model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": 6, "ignore_eos": True}
+    first = client.post("/v1/completions", json={**body, "max_tokens": 1, "return_token_ids": True}).json()
+    first = first["choices"][0]["token_ids"][0]
+    assert served[0].tokenizer.decode([first], skip_special_tokens=True) == ""  # the premise
     for ids in (False, True):
         streamed = _stream(served[1].url, "/v1/completions", {**body, "return_token_ids": ids})
         tokens = [c["choices"][0] for c in streamed.chunks if c["choices"] and c["choices"][0]["finish_reason"] is None]
@@ -163,12 +161,17 @@ def test_stop_strings_end_the_text_before_the_stop(served, client, counting, str
     assert stop in counting, counting  # the greedy continuation counts on
     body = {**COUNT, "stop": [stop, "never"]}
     if stream:
-        got = _stream(served[1].url, "/v1/completions", body)
-        text, reason = got.text, got.finish_reason
+        got = _stream(served[1].url, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+        text, reason, usage = got.text, got.finish_reason, got.usage
     else:
-        choice = client.post("/v1/completions", json=body).json()["choices"][0]
-        text, reason = choice["text"], choice["finish_reason"]
+        out = client.post("/v1/completions", json=body).json()
+        text, reason, usage = out["choices"][0]["text"], out["choices"][0]["finish_reason"], out["usage"]
     assert text == counting[:counting.index(stop)] and reason == "stop"
+    # The output ends at the token that completes the stop string: the output processor found it
+    # off the target's cores and the loop cut what it had emitted past it.
+    tok = served[0].tokenizer
+    ids = tok.encode(counting, add_special_tokens=False)
+    assert usage["completion_tokens"] == next(n for n in range(1, len(ids) + 1) if stop in tok.decode(ids[:n]))
 
 
 # --- bad requests --------------------------------------------------------------------------------
@@ -178,44 +181,51 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_to
 
 
 @pytest.mark.parametrize("path, body, status, param, match", [
-    ("/v1/completions", {"model": MODEL}, 400, "prompt", "'prompt' is required"),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt", "'prompt' is required: a non-empty string"),
     ("/v1/chat/completions", {"model": MODEL}, 400, "messages", "'messages' is required"),
-    ("/v1/completions", {**GOOD, "temperature": "hot"}, 400, "temperature", "must be a number"),
-    ("/v1/completions", {**GOOD, "max_tokens": "2"}, 400, "max_tokens", "must be an integer"),
-    ("/v1/completions", {**GOOD, "stream": "yes"}, 400, "stream", "must be a boolean"),
+    ("/v1/completions", {**GOOD, "temperature": "hot"}, 400, "temperature", r"'temperature' must be 0 \(greedy\) or a number"),
+    ("/v1/completions", {**GOOD, "max_tokens": "2"}, 400, "max_tokens", "'max_tokens' must be an integer >= 1"),
+    ("/v1/completions", {**GOOD, "stream": "yes"}, 400, "stream", "'stream' must be a boolean"),
     ("/v1/completions", {**GOOD, "prompt": 12}, 400, "prompt", "non-empty string or a non-empty list"),
     ("/v1/completions", {**GOOD, "prompt": ""}, 400, "prompt", "non-empty"),
-    ("/v1/completions", {**GOOD, "prompt": ["a", "b"]}, 400, "prompt", "batches of 2 are not supported"),
+    ("/v1/completions", {**GOOD, "prompt": ["a", "b"]}, 400, "prompt", "larger batches are not supported"),
     ("/v1/completions", {**GOOD, "prompt": [10**9]}, 400, "prompt", r"token ids must be in \[0, 49152\)"),
-    ("/v1/completions", {**GOOD, "top_p": 0}, 400, "top_p", r"top_p must be a number in \(0, 1\]"),
-    ("/v1/completions", {**GOOD, "temperature": -1}, 400, "temperature", "temperature must be a finite number >= 0"),
-    ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens", "max_tokens must be an int >= 1"),
-    ("/v1/completions", {**GOOD, "min_p": 1.5}, 400, "min_p", r"min_p must be a number in \[0, 1\)"),
-    ("/v1/completions", {**GOOD, "seed": -1}, 400, "seed", "seed must be None or an int in"),
-    ("/v1/completions", {**GOOD, "stop": [""]}, 400, "stop", "non-empty strings"),
-    ("/v1/completions", {**GOOD, "n": 2}, 400, "n", "'n' is not supported: it must be 1"),
-    ("/v1/completions", {**GOOD, "best_of": 3}, 400, "best_of", "'best_of' is not supported"),
-    ("/v1/completions", {**GOOD, "logprobs": 21}, 400, "logprobs", r"logprobs must be None or an int in \[0, 20\]"),
+    ("/v1/completions", {**GOOD, "top_p": 0}, 400, "top_p", r"'top_p' must be a number in \(0, 1\]"),
+    ("/v1/completions", {**GOOD, "temperature": -1}, 400, "temperature", r"'temperature' must be 0 \(greedy\) or a number"),
+    ("/v1/completions", {**GOOD, "temperature": 5e-324}, 400, "temperature", r"temperature must be 0 \(greedy\) or .* >= 1e-06"),
+    ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens", "'max_tokens' must be an integer >= 1"),
+    ("/v1/completions", {**GOOD, "min_p": 1.5}, 400, "min_p", r"'min_p' must be a number in \[0, 1\)"),
+    ("/v1/completions", {**GOOD, "seed": -1}, 400, "seed", "'seed' must be an integer in"),
+    ("/v1/completions", {**GOOD, "stop": [""]}, 400, "stop", "'stop' must be a non-empty string or a list of them"),
+    ("/v1/completions", {**GOOD, "n": 2}, 400, "n", "'n' must be 1 or null: the feature is not supported"),
+    ("/v1/completions", {**GOOD, "best_of": 3}, 400, "best_of", "'best_of' must be 1 or null: the feature is not"),
+    ("/v1/completions", {**GOOD, "logprobs": 21}, 400, "logprobs", r"'logprobs' must be an integer in \[0, 20\]"),
     ("/v1/completions", {**GOOD, "logprobs": True}, 400, "logprobs", "'logprobs' must be an integer"),
-    ("/v1/completions", {**GOOD, "echo": True}, 400, "echo", "'echo' is not supported"),
+    ("/v1/completions", {**GOOD, "echo": True}, 400, "echo", "'echo' must be false or null: the feature is not"),
     ("/v1/completions", {**GOOD, "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
     ("/v1/completions", {**GOOD, "colour": "red"}, 400, "colour", "unknown field 'colour'; supported fields"),
     ("/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, 400, "stream_options",
      "only allowed with 'stream': true"),
+    ("/v1/completions", {**GOOD, "stream": True, "stream_options": {"usage": True}}, 400, "stream_options",
+     "unknown field 'stream_options.usage'"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs", "needs 'logprobs': true"),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
      r"integer in \[0, 20\]"),
     ("/v1/chat/completions", {**CHAT, "logprobs": 1}, 400, "logprobs", "'logprobs' must be a boolean"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools", "'tools' is not supported"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools", "the feature is not supported"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages",
-     "role' must be one of"),
+     r"'messages\[0\]\.role': Input should be 'system', 'developer', 'user', 'assistant' or 'tool'"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages", "only text is supported"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x", "name": "me"}]}, 400,
+     "messages", r"unknown field 'messages\[0\]\.name'"),
     ("/v1/completions", {**GOOD, "model": "gpt-4"}, 404, "model", "The model `gpt-4` does not exist"),
-    ("/v1/completions", {**GOOD, "prompt": "word " * 300}, 400, "prompt", "maximum context length is 256 tokens"),
-    ("/v1/completions", {**GOOD, "max_tokens": 1000}, 400, "max_tokens", r"asks for 1001 \(1 in the prompt"),
+    # The length limit is the engine's (at submit); the error names the field the user sent.
+    ("/v1/completions", {**GOOD, "prompt": "word " * 300}, 400, "prompt", "exceeds.* 256"),
+    ("/v1/completions", {**GOOD, "max_tokens": 1000}, 400, "max_tokens", r"max_tokens \(1000\).* exceeds.* 256"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 1000}, 400, "max_completion_tokens", "exceeds.* 256"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": None, "messages": [{"role": "user", "content": "word " * 300}]},
-     400, "messages", "no room for output"),
+     400, "messages", "exceeds.* 256"),
 ])
 def test_bad_requests_get_a_clear_4xx_and_the_server_stays_healthy(client, path, body, status, param, match):
     r = client.post(path, json=body)
@@ -226,11 +236,30 @@ def test_bad_requests_get_a_clear_4xx_and_the_server_stays_healthy(client, path,
     assert client.get("/health").status_code == 200
 
 
-@pytest.mark.parametrize("raw, match", [(b"{not json", "not valid JSON"), (b"[1, 2]", "must be a JSON object"),
-                                        (b"\xff\xfe", "not valid JSON")])
-def test_malformed_json_is_400(client, raw, match):
-    r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+def test_a_top_p_below_float32_keeps_the_most_likely_token(client):
+    """5e-324 rounds to 0 in float32: top-p must still keep one token, not sample from none
+    (found by the schema fuzzer: NaN logprobs could not be written as JSON, a 500)."""
+    body = {**GOOD, "prompt": "Count: 1, 2,", "max_tokens": 4, "logprobs": 0}
+    tiny_p = client.post("/v1/completions", json={**body, "temperature": 1, "top_p": 5e-324, "seed": 1}).json()
+    greedy = client.post("/v1/completions", json={**body, "temperature": 0}).json()
+    assert tiny_p["choices"][0]["text"] == greedy["choices"][0]["text"]
+    assert all(lp == 0.0 for lp in tiny_p["choices"][0]["logprobs"]["token_logprobs"])
+
+
+@pytest.mark.parametrize("raw, content_type, match", [
+    (b"{not json", "application/json", "not valid JSON"), (b"[1, 2]", "application/json", "must be a JSON object"),
+    (b"\xff\xfe", "application/json", "not valid JSON"), (b'{"prompt": "\xfa"}', "application/json", "not valid JSON"),
+    (b"", "application/json", "must be a JSON object"),
+    (b'{"prompt": "Hello"}', "text/plain", "Content-Type: application/json"),
+    (b'{"prompt": "Hello", "temperature": NaN}', "application/json", "'temperature' must be 0 (greedy) or a number")])
+def test_malformed_json_is_400(client, raw, content_type, match):
+    r = client.post("/v1/completions", content=raw, headers={"content-type": content_type})
     assert r.status_code == 400 and match in r.json()["error"]["message"]
+
+
+def test_a_body_without_a_content_type_is_read_as_json(client):
+    r = client.post("/v1/completions", content=b'{"prompt": "Hello", "max_tokens": 1}')
+    assert r.status_code == 200, r.text
 
 
 def test_unknown_routes_and_methods_answer_in_the_openai_shape(client):
@@ -354,19 +383,7 @@ def test_logprobs_through_the_openai_client(served):
 
 # --- overload and a dead engine (tiny models) ----------------------------------------------------
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("serving")
-    target = make_tiny_llama(root / "target", seed=0)
-    return target, make_tiny_llama(root / "draft", seed=1, base=target, noise=0.05)
-
-
-def _tiny_llm(tiny, **kw) -> LLM:
-    return LLM(target=ModelRef(str(tiny[0])), draft=ModelRef(str(tiny[1])), mode="ssd", launch="local",
-               max_seq_len=256, **kw)
-
-
-def test_the_engine_thread_alone_runs_on_the_target_cores(tiny):
+def test_the_loop_thread_alone_runs_on_the_target_cores(tiny_llm):
     # Before: every thread of the server (uvicorn's too) inherited the target's core, so its HTTP
     # work took turns with the target while other cores were free.
     before = os.sched_getaffinity(0)  # this module's `served` server has moved this thread
@@ -375,10 +392,10 @@ def test_the_engine_thread_alone_runs_on_the_target_cores(tiny):
     try:
         if len(cores) < 2:
             pytest.skip("one core: nothing to keep apart")
-        with _tiny_llm(tiny) as llm, BackgroundServer(OpenAIServer(llm, "tiny")) as bg:
+        with tiny_llm() as llm, BackgroundServer(OpenAIServer(llm, "tiny")) as bg:
             target = set(llm.runtime.target_cores)
             assert target and target < cores
-            assert os.sched_getaffinity(bg.server.engine._thread.native_id) == target
+            assert os.sched_getaffinity(bg.server.async_llm._thread.native_id) == target
             assert os.sched_getaffinity(bg._thread.native_id) == cores - target  # uvicorn's thread
             assert os.sched_getaffinity(0) == cores - target  # the thread that started the server
             response = httpx.post(bg.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 4})
@@ -388,9 +405,9 @@ def test_the_engine_thread_alone_runs_on_the_target_cores(tiny):
         os.sched_setaffinity(0, before)
 
 
-def test_past_the_queue_limit_requests_get_503_overloaded(tiny):
+def test_past_the_queue_limit_requests_get_503_overloaded(tiny_llm):
     long = {"prompt": [1, 2, 3], "max_tokens": 240, "ignore_eos": True, "temperature": 0}
-    with _tiny_llm(tiny, max_batch=1) as llm, BackgroundServer(OpenAIServer(llm, "tiny", max_waiting=0)) as bg:
+    with tiny_llm(max_batch=1) as llm, BackgroundServer(OpenAIServer(llm, "tiny", max_waiting=0)) as bg:
         # The loop holds after its first step (the first request's prefill), so that request is
         # still running whatever the machine's speed when the second one arrives.
         step, steps, go_on = llm.loop.step, [], threading.Event()
@@ -420,8 +437,8 @@ def test_past_the_queue_limit_requests_get_503_overloaded(tiny):
                 time.sleep(0.05)
 
 
-def test_a_dead_engine_fails_pending_requests_and_health_turns_503(tiny):
-    with _tiny_llm(tiny) as llm, BackgroundServer(OpenAIServer(llm, "tiny")) as bg:
+def test_a_dead_engine_fails_pending_requests_and_health_turns_503(tiny_llm):
+    with tiny_llm() as llm, BackgroundServer(OpenAIServer(llm, "tiny")) as bg:
         step, calls = llm.loop.step, []
 
         def failing():
@@ -436,7 +453,7 @@ def test_a_dead_engine_fails_pending_requests_and_health_turns_503(tiny):
         health = httpx.get(bg.url + "/health")
         assert health.status_code == 503 and "injected loop failure" in health.json()["error"]["message"]
         r = httpx.post(bg.url + "/v1/completions", json={"prompt": [1], "max_tokens": 2})
-        assert r.status_code == 503 and "engine loop failed" in r.json()["error"]["message"]
+        assert r.status_code == 503 and "serving loop failed" in r.json()["error"]["message"]
 
 
 def _stream_plain(url: str, body: dict) -> Streamed:

@@ -1,9 +1,9 @@
-"""`trtssd serve`, `generate` and `triton-repo`: a flag for every LLM option; the real `serve`
-command on a socket until SIGTERM, which ends its draft rank too (tiny models, to start quickly)."""
+"""`trtssd serve`: its own flags (the engine options of every command: tests/test_cli_options.py);
+the real command on a socket until SIGTERM, which ends its draft rank too (tiny models, to start
+quickly)."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import signal
 import subprocess
@@ -17,23 +17,7 @@ import pytest
 
 from tiny_models import make_tiny_llama
 from trtssd import cli
-from trtssd.config import RuntimeConfig, SpeculativeConfig
 from trtssd.runtime.processes import descendants, start_time
-
-
-def _parse(argv: list[str]):
-    parser = cli.build_parser()
-    return parser.parse_args(["serve", *argv])
-
-
-@pytest.mark.parametrize("command", ["serve", "generate", "triton-repo"])
-def test_each_command_that_starts_an_llm_has_a_flag_for_every_llm_option(command, capsys):
-    with pytest.raises(SystemExit):
-        cli.main([command, "--help"])
-    text = capsys.readouterr().out
-    fields = [f.name for cls in (SpeculativeConfig, RuntimeConfig) for f in dataclasses.fields(cls)]
-    missing = [name for name in fields if f"--{name.replace('_', '-')}" not in text]
-    assert not missing, f"trtssd {command} lacks flags for LLM options {missing}"
 
 
 def test_serve_has_its_server_flags(capsys):
@@ -43,20 +27,6 @@ def test_serve_has_its_server_flags(capsys):
     for flag in ("--host", "--port", "--engine", "--target", "--draft", "--api-key", "--served-model-name",
                  "--max-waiting", "--launch"):
         assert flag in text
-
-
-def test_serve_flags_become_valid_llm_options():
-    args = _parse(["--mode", "sd", "--k", "3", "--fanout", "1,2,1,1", "--backup", "fast", "--max-batch", "2",
-                   "--target-cores", "0", "--no-plain-under-load", "--draft-timeout-s", "5"])
-    options = cli._llm_options(args)
-    assert options == {"mode": "sd", "k": 3, "fanout": (1, 2, 1, 1), "backup": "fast", "max_batch": 2,
-                       "target_cores": (0,), "plain_under_load": False, "draft_timeout_s": 5.0}
-    spec = {k: v for k, v in options.items() if k in SpeculativeConfig.__dataclass_fields__}
-    SpeculativeConfig(**spec)
-    RuntimeConfig(**{k: v for k, v in options.items() if k not in spec})
-    assert cli._llm_options(_parse([])) == {}  # unset flags keep LLM's defaults
-    with pytest.raises(ValueError, match="--fanout must be comma-separated integers"):
-        cli._llm_options(_parse(["--fanout", "1,x"]))
 
 
 @pytest.mark.slow

@@ -9,13 +9,11 @@ import asyncio
 import os
 import random
 import signal
-from pathlib import Path
 
 import httpx
 import pytest
 
 from sse_client import Streamed, scrape, stream_request
-from tiny_models import make_tiny_llama
 from trtssd import LLM, ModelRef, SamplingParams
 from trtssd.serving.openai_server import OpenAIServer
 from trtssd.serving.uvicorn_runner import BackgroundServer
@@ -27,17 +25,10 @@ STOP_TOKEN = 7
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("load")
-    target = make_tiny_llama(root / "target", seed=0)
-    return target, make_tiny_llama(root / "draft", seed=1, base=target, noise=0.05)
-
-
-@pytest.fixture(scope="module")
-def served(tiny):
+def served(tiny_pair):
     """One ssd server whose draft is its own MPI job; speculation every round (no load control),
     so the draft is in use when it is killed."""
-    with LLM(target=ModelRef(str(tiny[0])), draft=ModelRef(str(tiny[1])), mode="ssd", launch="spawn", max_batch=16,
+    with LLM(target=ModelRef(str(tiny_pair[0])), draft=ModelRef(str(tiny_pair[1])), mode="ssd", launch="spawn", max_batch=16,
              max_seq_len=MAX_SEQ_LEN, draft_timeout_s=10.0, plain_under_load=False) as llm:
         with BackgroundServer(OpenAIServer(llm, "tiny")) as bg:
             yield llm, bg
@@ -65,12 +56,12 @@ def _bodies(n: int, seed: int) -> list[dict]:
     return bodies
 
 
-def _greedy_reference(tiny, bodies: list[dict]) -> dict[int, list[int]]:
+def _greedy_reference(tiny_pair, bodies: list[dict]) -> dict[int, list[int]]:
     """Offline LLM.generate in ar mode for the greedy requests, by index."""
     greedy = {i: b for i, b in enumerate(bodies) if b.get("temperature") == 0}
     params = [SamplingParams(temperature=0, max_tokens=b["max_tokens"],
                              stop_token_ids=tuple(b.get("stop_token_ids", ()))) for b in greedy.values()]
-    with LLM(target=ModelRef(str(tiny[0])), mode="ar", launch="local", max_seq_len=MAX_SEQ_LEN, max_batch=16) as llm:
+    with LLM(target=ModelRef(str(tiny_pair[0])), mode="ar", launch="local", max_seq_len=MAX_SEQ_LEN, max_batch=16) as llm:
         outs = llm.generate([b["prompt"] for b in greedy.values()], params)
     return {i: o.token_ids for i, o in zip(greedy, outs)}
 
@@ -100,11 +91,11 @@ async def _run(url: str, bodies: list[dict], after=None, when_done: int = 0) -> 
         return await asyncio.gather(*tasks)
 
 
-def test_greedy_output_of_8_concurrent_clients_equals_offline_ar(tiny, served):
+def test_greedy_output_of_8_concurrent_clients_equals_offline_ar(tiny_pair, served):
     llm, bg = served
     bodies = [{"prompt": [i + 1] * (i + 1), "max_tokens": 10 + 5 * i, "temperature": 0, "return_token_ids": True}
               for i in range(8)]
-    reference = _greedy_reference(tiny, bodies)
+    reference = _greedy_reference(tiny_pair, bodies)
 
     async def one(client, i, body):
         if i % 2:  # half stream, half not
@@ -121,11 +112,11 @@ def test_greedy_output_of_8_concurrent_clients_equals_offline_ar(tiny, served):
     assert scrape(httpx.Client(base_url=bg.url), "vllm:spec_decode_num_drafts_total") > drafts  # it speculated
 
 
-def test_64_concurrent_streams_then_a_killed_draft(tiny, served):
+def test_64_concurrent_streams_then_a_killed_draft(tiny_pair, served):
     llm, bg = served
     client = httpx.Client(base_url=bg.url)
     first, second = _bodies(64, seed=1), _bodies(64, seed=2)
-    reference = _greedy_reference(tiny, first + second)
+    reference = _greedy_reference(tiny_pair, first + second)
 
     got = asyncio.run(_run(bg.url, first))
     for i, (body, out) in enumerate(zip(first, got)):

@@ -25,11 +25,11 @@ import httpx
 import numpy as np
 import pytest
 
+from request_records import finished
 from sse_client import scrape
 from trtssd import LLM, SamplingParams
 from trtssd.cli import main as cli_main
 from trtssd.runtime.metrics import SpecMetrics
-from trtssd.serving.async_engine import FinishedRequest
 from trtssd.serving.prometheus_metrics import ServerMetrics
 from trtssd.triton import metrics as triton_metrics
 from trtssd.triton.repository import config_pbtxt, write_repository
@@ -169,7 +169,7 @@ def test_metrics_are_the_openai_servers_and_count_a_request():
     m = triton_metrics.TritonMetrics(SimpleNamespace(MetricFamily=FakeFamily), "trtssd", k=3)
     spec = SpecMetrics(num_drafts=2, num_draft_tokens=6, num_accepted_tokens=5, cache_hits=2,
                        accepted_per_position=[2, 2, 1], tree_branches=3, round_time_s=1.0, verify_time_s=0.5)
-    m.observe(FinishedRequest("r", 4, (1, 2, 3), "abc", "length", 0.1, 0.5, (0.2, 0.2), spec))
+    m.observe(finished("r", 4, (1, 2, 3), "abc", "length", 0.1, 0.5, (0.2, 0.2), spec))
     value = {(f.name, tuple(sorted(x.labels.items()))): x for f in FakeFamily.made for x in f.metrics}
     base = (("engine", "0"), ("model_name", "trtssd"))
     assert value[("vllm:prompt_tokens_total", base)].value == 4
@@ -187,8 +187,8 @@ def test_triton_and_the_openai_server_count_the_same():
     spec = SpecMetrics(num_drafts=2, num_draft_tokens=6, num_accepted_tokens=4, accepted_per_position=[2, 2, 0],
                        cache_hits=1, cache_misses=1, accepted_on_hit=3, accepted_on_miss=1, fast_backups=1,
                        tree_branches=5, round_time_s=2.0, verify_time_s=1.5)
-    for record in (FinishedRequest("r", 7, (1, 2, 3), "abc", "stop", 0.1, 0.9, (0.2, 0.3), spec),
-                   FinishedRequest("a", 3, (), "", "abort", None, 0.05, (), SpecMetrics())):
+    for record in (finished("r", 7, (1, 2, 3), "abc", "stop", 0.1, 0.9, (0.2, 0.3), spec),
+                   finished("a", 3, (), "", "abort", None, 0.05, (), SpecMetrics())):
         triton.observe(record)
         server.observe(record)
     sample = server.registry.get_sample_value

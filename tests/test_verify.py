@@ -102,7 +102,7 @@ def test_positions_past_num_proposals_are_ignored():
 def test_outcomes_on_a_hand_built_batch():
     # Greedy rows, so every outcome is known in advance: p at (row, position) is one-hot on
     # chain[row, position]; a proposal is accepted while it equals that token.
-    k, vocab = 3, 5
+    vocab = 5
     chain = torch.tensor([[1, 2, 3, 4], [0, 0, 0, 0], [4, 3, 2, 1], [2, 2, 2, 2], [3, 1, 4, 1]])
     logits = 5.0 * torch.nn.functional.one_hot(chain, vocab).float()
     proposals = torch.tensor([

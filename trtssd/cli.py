@@ -8,10 +8,14 @@ import logging
 import sys
 from pathlib import Path
 
+from trtssd.cli_options import add_engine_options, add_model_options, engine_options
+from trtssd.config import ModelRef
+
 log = logging.getLogger("trtssd")
 
 
 def _generate(args: argparse.Namespace) -> int:
+    models, options = _models(args), engine_options(args)  # usage errors before the slow imports
     from trtssd.llm import LLM
     from trtssd.sampling import SamplingParams
 
@@ -19,7 +23,7 @@ def _generate(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
         seed=args.seed, stop=tuple(args.stop or ()),
     )
-    with LLM(args.engine, launch=args.launch, **_llm_options(args)) as llm:
+    with LLM(args.engine, launch=args.launch, **models, **options) as llm:
         mode = llm.spec.mode.value
         prompts = args.prompt or ["Write a Python function that returns the n-th Fibonacci number."]
         outs = llm.generate(prompts, params)
@@ -46,45 +50,20 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _llm_options(args: argparse.Namespace) -> dict:
-    """The LLM options given on the command line (the rest keep LLM's own defaults)."""
-    names = ("mode", "k", "fanout", "fanout_budget", "saguaro_c", "backup", "draft_timeout_s", "plain_under_load",
-             "max_batch", "max_seq_len", "target_threads", "draft_threads", "target_cores", "draft_cores",
-             "poll_interval_s", "lend_draft_cores")
-    options = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
-    options.update(_device_options(args))
-    if options.get("fanout") == "auto":
-        del options["fanout"]
-    elif "fanout" in options:
-        options["fanout"] = _ints(options["fanout"], "--fanout")
-    for name in ("target_cores", "draft_cores"):
-        if name in options:
-            options[name] = _ints(options[name], f"--{name.replace('_', '-')}")
-    return options
+def _models(args: argparse.Namespace) -> dict:
+    """--target and --draft as LLM's model keywords (none: the engine's models)."""
+    if args.draft and not args.target:
+        raise ValueError("--draft needs --target")
+    models = {"target": ModelRef(args.target)} if args.target else {}
+    if args.draft:
+        models["draft"] = ModelRef(args.draft)
+    return models
 
 
-DEVICE_OPTIONS = ("target_device", "draft_device", "transport", "target_backend", "trtllm_engine_dir")
-
-
-def _device_options(args: argparse.Namespace) -> dict:
-    """--target-device, --draft-device, --transport, --target-backend, --trtllm-engine-dir as LLM
-    options (only those given)."""
-    return {name: getattr(args, name) for name in DEVICE_OPTIONS if getattr(args, name) is not None}
-
-
-def _add_device_options(p: argparse.ArgumentParser) -> None:
-    """Where each rank runs; values are checked by RuntimeConfig (trtssd/config.py), so a bad one
-    is a usage error naming the option. CUDA: unverified, never run on a GPU."""
-    p.add_argument("--target-device", default=None, help="'cpu' (default), 'cuda' or 'cuda:N': the target's weights, "
-                   "KV pool and forwards")
-    p.add_argument("--draft-device", default=None, help="'cpu' (default), 'cuda' or 'cuda:N' for the draft rank")
-    p.add_argument("--transport", default=None, help="'auto' (default: cuda_ipc when the draft is on CUDA), 'host' "
-                   "or 'cuda_ipc': how the draft's rows reach the target")
-    p.add_argument("--target-backend", default=None, choices=["torch", "trtllm"],
-                   help="what verifies rounds on the target: torch (default) or trtllm, a TensorRT-LLM engine "
-                   "(unverified: never run)")
-    p.add_argument("--trtllm-engine-dir", default=None, help="with --target-backend trtllm: the TensorRT-LLM "
-                   "target engine (`trtssd build --backend trtllm` writes its build script)")
+def _add_launch_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--launch", choices=["spawn", "world", "local"], default="spawn",
+                   help="spawn: the draft as its own MPI job; world: under mpiexec -n 2; local: in this process "
+                   "(debugging)")
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -95,79 +74,43 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    models, options = _models(args), engine_options(args)  # usage errors before the slow imports
     from trtssd.build import DEFAULT_ENGINE
-    from trtssd.config import ModelRef
     from trtssd.llm import LLM
     from trtssd.serving.openai_server import OpenAIServer
     from trtssd.serving.uvicorn_runner import serve_forever
 
-    models = {}
-    if args.target:  # model files instead of an engine directory
-        models["target"] = ModelRef(args.target)
-        if args.draft:
-            models["draft"] = ModelRef(args.draft)
-    elif args.draft:
-        raise ValueError("--draft needs --target")
     source = args.engine or args.target
     name = args.served_model_name or (Path(source).name if source else DEFAULT_ENGINE)
     limits = {} if args.max_waiting is None else {"max_waiting": args.max_waiting}
-    with LLM(args.engine, launch=args.launch, **models, **_llm_options(args)) as llm:
+    with LLM(args.engine, launch=args.launch, **models, **options) as llm:
         serve_forever(OpenAIServer(llm, name, api_key=args.api_key, **limits), args.host, args.port)
     return 0
-
-
-def _add_llm_options(p: argparse.ArgumentParser) -> None:
-    """The LLM options (read back by `_llm_options`); unset ones keep the defaults of trtssd/config.py."""
-    p.add_argument("--mode", choices=["ar", "sd", "ssd"], default=None, help="default ssd")
-    p.add_argument("--k", type=int, default=None, help="lookahead (default: the engine's, else 5)")
-    p.add_argument("--fanout", default=None, help="'auto' (default) or K+1 comma-separated ints")
-    p.add_argument("--fanout-budget", type=int, default=None, help="most branches per sequence with auto fan-out")
-    p.add_argument("--saguaro-c", type=float, default=None, help="cache-aware scaling in (0, 1]")
-    p.add_argument("--backup", choices=["auto", "neural", "fast"], default=None,
-                   help="cache-miss policy (default auto)")
-    p.add_argument("--draft-timeout-s", type=float, default=None, help="no draft reply within this: serve in ar mode")
-    p.add_argument("--plain-under-load", action=argparse.BooleanOptionalAction, default=None,
-                   help="decode plainly in rounds where that measured faster at the batch size (default on)")
-    p.add_argument("--max-batch", type=int, default=None, help="sequences in flight at once (default 8)")
-    p.add_argument("--max-seq-len", type=int, default=None, help="prompt + output tokens per request (default 2048)")
-    p.add_argument("--target-threads", type=int, default=None)
-    p.add_argument("--draft-threads", type=int, default=None)
-    p.add_argument("--target-cores", default=None, help="comma-separated CPU cores for the target")
-    p.add_argument("--draft-cores", default=None, help="comma-separated CPU cores for the draft")
-    p.add_argument("--poll-interval-s", type=float, default=None, help="idle poll sleep of the ranks")
-    p.add_argument("--lend-draft-cores", choices=["exact", "always", "never"], default=None,
-                   help="plain rounds of a ggml target on the draft's cores too (default exact: rows stay "
-                        "bit-identical; always: also one-row forwards over long caches, llama.cpp's own numerics)")
-    _add_device_options(p)
 
 
 def _add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=8000, help="0 = any free port (logged at start)")
-    s.add_argument("--engine", default=None, help="engine directory (default: the embedded SmolLM2 engine)")
-    s.add_argument("--target", default=None, help="instead of --engine: the target model, a Hugging Face directory "
-                   "or .gguf file")
-    s.add_argument("--draft", default=None, help="with --target: the draft model (default: the target itself)")
+    add_model_options(s)
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the engine's or target's name)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1 routes")
     s.add_argument("--max-waiting", type=int, default=None,
                    help="requests queued beyond --max-batch before new ones get 503 (overloaded); default 256")
-    s.add_argument("--launch", choices=["spawn", "world", "local"], default="spawn",
-                   help="spawn: the draft as its own MPI job; world: under mpiexec -n 2; local: in this process "
-                   "(debugging)")
-    _add_llm_options(s)
+    _add_launch_option(s)
+    add_engine_options(s)
     s.set_defaults(func=_serve)
 
 
 def _triton_repo(args: argparse.Namespace) -> int:
+    llm_options = engine_options(args)  # usage errors before the slow imports
     from trtssd.triton.repository import write_repository
 
     options = {"log_level": args.log_level}
     if args.max_waiting is not None:
         options["max_waiting"] = args.max_waiting
-    path = write_repository(args.out, args.engine, _llm_options(args), options, args.instance_kind,
+    path = write_repository(args.out, args.engine, llm_options, options, args.instance_kind,
                             _ints(args.gpus, "--gpus"))
     sys.stdout.write(f"{path}\n")
     return 0
@@ -189,7 +132,7 @@ def _add_triton_parsers(sub) -> None:
     r.add_argument("--instance-kind", choices=["cpu", "gpu"], default="cpu",
                    help="gpu: one instance per device of --gpus (unverified: not yet run on a GPU)")
     r.add_argument("--gpus", default="0", help="comma-separated devices for --instance-kind gpu")
-    _add_llm_options(r)
+    add_engine_options(r)
     r.set_defaults(func=_triton_repo)
 
     t = sub.add_parser("triton-serve", help="run tritonserver (from the nvidia-pytriton wheel) on a repository")
@@ -241,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text with ar, sd or ssd")
-    g.add_argument("--engine", default=None, help="engine directory (default: the embedded SmolLM2 engine)")
+    add_model_options(g)
     g.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -249,10 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--launch", choices=["spawn", "world"], default="spawn",
-                   help="spawn: the draft is started as its own MPI job; world: under mpiexec -n 2")
+    _add_launch_option(g)
     g.add_argument("--json", action="store_true", help="print text, token ids and metrics as JSON")
-    _add_llm_options(g)  # the same LLM options as serve and triton-repo
+    add_engine_options(g)  # the same engine options as serve, triton-repo and bench
     g.set_defaults(func=_generate)
 
     _add_serve_parser(sub)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 
@@ -60,6 +60,12 @@ def check_device(value: object, field_name: str) -> str:
     raise ValueError(f"{field_name} must be 'cpu', 'cuda' or 'cuda:N' (N a device index); got {value!r}")
 
 
+def _opt(default: Any, help: str, **cli: Any) -> Any:
+    """A field with its default and the help text of its command-line option (trtssd/cli_options.py
+    makes one option per field); ``cli``: more of that option's metadata (``choices``)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
 def _choice(enum_cls, value, field_name: str):
     try:
         return enum_cls(value)
@@ -72,20 +78,26 @@ def _choice(enum_cls, value, field_name: str):
 class SpeculativeConfig:
     """Speculation settings, shared by the target (verification) and the draft (speculation)."""
 
-    mode: Mode = Mode.SSD  # the product's point; ar/sd exist for honest comparison
-    k: int = 5  # lookahead; the K sweep (docs/bench/sweep) peaks at K=7, 5 is within 9% and safer at low acceptance
+    # ssd is the product's point; ar and sd exist for honest comparison.
+    mode: Mode = _opt(Mode.SSD, "ar: plain decoding; sd: draft, then verify; ssd: the draft pre-speculates while "
+                      "the target verifies")
+    # The K sweep (docs/bench/sweep) peaks at K=7; 5 is within 9% of it and safer at low acceptance.
+    k: int = _opt(5, "lookahead: tokens the draft proposes per round")
     # "auto": each round, the budget (1..fanout_budget branches per sequence) with the best
     # predicted tokens/s from measured draft forward and verify times (docs/algorithm.md section 8),
     # spread over depths by section 7 from online a, c and r. Or K+1 explicit ints.
-    fanout: str | tuple[int, ...] = "auto"
-    fanout_budget: int = 12  # most branches per sequence per round when fanout is "auto"
-    saguaro_c: float = 0.7  # cache-aware scaling of the draft's top-(F+1); 1.0 = plain sampling
-    backup: Backup = Backup.AUTO  # miss policy
-    draft_timeout_s: float = 30.0  # no draft reply within this: the draft is declared dead
+    fanout: str | tuple[int, ...] = _opt("auto", "'auto' (branches chosen each round within the fan-out budget) "
+                                         "or K+1 comma-separated branch counts, one per depth")
+    fanout_budget: int = _opt(12, "most branches per sequence per round with fan-out 'auto'")
+    saguaro_c: float = _opt(0.7, "cache-aware scaling of the draft's top candidates, in (0, 1]; 1 = plain sampling")
+    backup: Backup = _opt(Backup.AUTO, "what answers a cache miss: auto (chosen from measured costs), neural (the "
+                          "draft, just in time) or fast (an n-gram proposal)")
+    draft_timeout_s: float = _opt(30.0, "no draft reply within this many seconds: the draft is declared dead and "
+                                  "decoding goes on without it")
     # Decode rounds without the draft when plain rounds measure faster at the current batch size
     # (speculation costs at high concurrency); never while a seeded sampled request runs, whose
     # seed promises the same output at any load.
-    plain_under_load: bool = True
+    plain_under_load: bool = _opt(True, "decode plainly in rounds where that measured faster at the batch size")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _choice(Mode, self.mode, "mode"))
@@ -144,23 +156,28 @@ LEND_DRAFT_CORES = ("exact", "always", "never")
 class RuntimeConfig:
     """Process layout and capacity."""
 
-    max_batch: int = 8  # sequences in flight at once
-    max_seq_len: int = 2048  # prompt + output tokens per sequence (the region for speculation is added on top)
-    target_threads: int = 1  # torch threads on the target rank (CPU)
-    draft_threads: int = 1  # torch threads on the draft rank (CPU)
-    target_cores: Sequence[int] | None = None  # CPU cores to pin the target to; None = core 0 when >1 core
-    draft_cores: Sequence[int] | None = None  # CPU cores to pin the draft to; None = the last core
-    poll_interval_s: float = 0.0002  # an idle rank sleeps this long between polls instead of spinning
-    # Plain rounds on a ggml target also run on the draft's cores (the draft idles then): "exact"
-    # keeps every row bit-identical (a one-row forward over a long cache stays on one thread),
-    # "always" runs those as llama.cpp's own multi-thread decoding too (faster; greedy output may
-    # then differ from sd/ssd at near-ties), "never" keeps the target on its own cores.
-    lend_draft_cores: str = "exact"
-    target_device: str = "cpu"  # where the target's weights, KV pool and forwards live: "cpu", "cuda", "cuda:N"
-    draft_device: str = "cpu"  # the same for the draft rank (on one GPU both ranks may share it)
-    transport: Transport = Transport.AUTO  # how proposal rows reach the target; auto follows draft_device
-    target_backend: TargetBackend = TargetBackend.TORCH  # what verifies rounds on the target
-    trtllm_engine_dir: str | None = None  # the TensorRT-LLM target engine (target_backend "trtllm" only)
+    max_batch: int = _opt(8, "sequences in flight at once")
+    max_seq_len: int = _opt(2048, "prompt + output tokens per sequence (room for speculation is added on top)")
+    target_threads: int = _opt(1, "torch threads on the target rank (CPU)")
+    draft_threads: int = _opt(1, "torch threads on the draft rank (CPU)")
+    target_cores: Sequence[int] | None = _opt(None, "comma-separated CPU cores to pin the target to "
+                                              "(default: core 0 when there is more than one)")
+    draft_cores: Sequence[int] | None = _opt(None, "comma-separated CPU cores to pin the draft to (default: the last)")
+    poll_interval_s: float = _opt(0.0002, "seconds an idle rank sleeps between polls instead of spinning")
+    # The draft idles during plain rounds. "exact" keeps a one-row forward over a long cache on one
+    # thread; "always" is faster, but greedy output may then differ from sd/ssd at near-ties.
+    lend_draft_cores: str = _opt("exact", "plain rounds of a ggml target on the draft's cores too: exact (rows stay "
+                                 "bit-identical), always (also llama.cpp's own multi-thread decoding) or never",
+                                 choices=LEND_DRAFT_CORES)
+    target_device: str = _opt("cpu", "'cpu', 'cuda' or 'cuda:N': where the target's weights, KV pool and forwards "
+                              "live (CUDA: unverified)")
+    draft_device: str = _opt("cpu", "the same for the draft rank (on one GPU both ranks may share it)")
+    transport: Transport = _opt(Transport.AUTO, "how the draft's rows reach the target: auto (cuda_ipc when the "
+                                "draft is on CUDA), host or cuda_ipc")
+    target_backend: TargetBackend = _opt(TargetBackend.TORCH, "what verifies rounds on the target: torch, or trtllm "
+                                         "(a TensorRT-LLM engine; unverified)")
+    trtllm_engine_dir: str | None = _opt(None, "the TensorRT-LLM target engine (with the trtllm target backend only; "
+                                         "`trtssd build --backend trtllm` writes its build script)")
 
     def __post_init__(self) -> None:
         for name in ("target_device", "draft_device"):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from trtssd.backends.loading import load_executor
@@ -21,24 +20,15 @@ from trtssd.models.engine_dir import MANIFEST, engine_speculation
 from trtssd.models.tokenizer import chat_prompt_ids, encode_text, load_tokenizer
 from trtssd.runtime.affinity import core_lending, cores_besides, pin, pin_thread, restore, split_cores
 from trtssd.runtime.launch import LAUNCHES, start_draft, target_seq_len
-from trtssd.runtime.target_loop import TargetLoop, Verifier
 from trtssd.runtime.metrics import SpecMetrics
-from trtssd.sampling import SamplingParams, TokenLogprob
+from trtssd.runtime.output_processor import OutputText, Prompt, RequestOutput, request_output
+from trtssd.runtime.target_loop import TargetLoop, Verifier
+from trtssd.sampling import SamplingParams
 from trtssd.trtllm.verifier import trtllm_verifier
 
 log = logging.getLogger(__name__)
 
-Prompt = str | Sequence[int]
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    prompt: Prompt
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    metrics: dict  # SpecMetrics.summary() plus time to first token and end-to-end latency
-    logprobs: list[TokenLogprob] | None = None  # one per token when SamplingParams.logprobs is set
+__all__ = ["LLM", "RequestOutput"]
 
 
 class LLM:
@@ -89,6 +79,7 @@ class LLM:
             restore(self._previous_affinity)
             raise
         self._closed = False
+        self._handed_over = False
 
     def _start(self, target: ModelRef, draft: ModelRef, launch: str) -> TargetLoop:
         executor = load_executor(target, max_seqs=self.runtime.max_batch,
@@ -108,7 +99,7 @@ class LLM:
         lending = (core_lending(executor, rt.target_cores, rt.target_threads, rt.draft_cores, rt.draft_threads,
                                 split_single_rows=rt.lend_draft_cores == "always")
                    if rt.lend_draft_cores != "never" else None)
-        return TargetLoop(executor, self.spec, rt.max_batch, self.tokenizer, _eos_ids(self.tokenizer), link,
+        return TargetLoop(executor, self.spec, rt.max_batch, rt.max_seq_len, _eos_ids(self.tokenizer), link,
                           verifier, lending)
 
     def _verifier(self, vocab_size: int) -> Verifier | None:
@@ -139,13 +130,19 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = _broadcast_params(params, len(prompts))
-        encoded = [self._encode(p) for p in prompts]
-        for tokens, sp in zip(encoded, params_list):  # all or nothing: one bad prompt queues none
-            self.loop.check_request(tokens, sp)
-        ids = [self.loop.add_request(tokens, sp) for tokens, sp in zip(encoded, params_list)]
-        while self.loop.has_unfinished():
-            self.loop.step()
-        return [self._output(p, self.loop.pop_finished(i)) for p, i in zip(prompts, ids)]
+        loop = self._own_loop()
+        # All or nothing: one bad prompt queues none.
+        seqs = [loop.new_sequence(self._encode(p), sp) for p, sp in zip(prompts, params_list)]
+        texts = {}
+        for seq in seqs:
+            texts[seq.seq_id] = OutputText(self.tokenizer, seq.params.stop)
+            loop.add(seq)
+        while loop.has_unfinished():
+            for out in loop.step():
+                self._text(out, texts[out.seq_id])
+        for seq in seqs:  # one a stop string ended (LLM._text) never reached the loop's finished ones
+            loop.finished.pop(seq.seq_id, None)
+        return [request_output(s, texts[s.seq_id], p) for p, s in zip(prompts, seqs)]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, per_token: bool = False) -> Iterator[str]:
         """Yield text deltas as tokens are committed: by default one delta per round (a
@@ -153,18 +150,26 @@ class LLM:
         round into one delta per token, for a steady typing cadence. Either way the deltas join
         to the final text: text that could still turn out to start a stop string is held back
         until it is known not to, so nothing yielded is ever taken back."""
-        seq_id = self.loop.add_request(self._encode(prompt), params or SamplingParams())
-        done = False
-        while not done:
-            for out in self.loop.step():
-                if out.seq_id != seq_id:
+        loop = self._own_loop()
+        seq = loop.new_sequence(self._encode(prompt), params or SamplingParams())
+        text = OutputText(self.tokenizer, seq.params.stop)
+        loop.add(seq)
+        while seq.finish_reason is None:
+            for out in loop.step():
+                if out.seq_id != seq.seq_id:
                     continue
-                done = out.finished
-                # The loop already split the text per token; nothing is decoded again here.
-                for delta in out.token_deltas if per_token else (out.text_delta,):
-                    if delta:
-                        yield delta
-        self.loop.pop_finished(seq_id)
+                delta = self._text(out, text)
+                for piece in (delta.token_texts if per_token else (delta.text,)) if delta else ():
+                    if piece:
+                        yield piece
+        loop.finished.pop(seq.seq_id, None)
+
+    def _text(self, out, text: OutputText):
+        """One output's text, between steps; a completed stop string ends its sequence now."""
+        delta = text.add(out)
+        if delta is not None and delta.stop_at is not None:
+            self.loop.stop(out.seq_id, delta.stop_at)
+        return delta
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
         """One assistant turn, with the model's chat template (through transformers)."""
@@ -172,12 +177,32 @@ class LLM:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         return self.generate([chat_prompt_ids(self.tokenizer, messages)], params)[0]
 
-    def _output(self, prompt: Prompt, seq) -> RequestOutput:
-        m = seq.metrics.summary()
-        m["ttft_s"] = round(seq.first_token_time - seq.arrival, 6)
-        m["e2e_s"] = round(seq.finish_time - seq.arrival, 6)
-        logprobs = None if seq.params.logprobs is None else list(seq.logprobs)
-        return RequestOutput(prompt, seq.text, list(seq.output), seq.finish_reason, m, logprobs)
+    def hand_over(self) -> TargetLoop:
+        """The started target loop, for a server that runs it in a thread of its own (the
+        serving layer's AsyncLLM). From then on the server owns it: this LLM's own
+        `generate` and `stream` refuse, and `close` still stops the draft and frees memory."""
+        self._own_loop()
+        self._handed_over = True
+        return self.loop
+
+    def _own_loop(self) -> TargetLoop:
+        if self._closed:
+            raise RuntimeError("this LLM is closed")
+        if self._handed_over:
+            raise RuntimeError("this LLM's target loop was handed to a server (LLM.hand_over): submit requests there")
+        return self.loop
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt plus output tokens one request may hold (RuntimeConfig.max_seq_len)."""
+        return self.runtime.max_seq_len
+
+    @property
+    def draft_state(self) -> str:
+        """"none" (ar mode), "alive", or "lost" (the loop decodes in ar mode without it)."""
+        if self.spec.mode is Mode.AR:
+            return "none"
+        return "alive" if self.loop.speculating else "lost"
 
     @property
     def metrics(self) -> SpecMetrics:
@@ -193,7 +218,7 @@ class LLM:
     def leave_target_cores(self) -> None:
         """Move the calling thread off the target's cores, to the cores it had before this LLM
         less the target's. For a caller whose target loop runs in a thread of its own that pins
-        itself to ``runtime.target_cores`` (a server's engine thread): the caller's own work
+        itself to ``runtime.target_cores`` (a server's loop thread): the caller's own work
         (HTTP, streaming) must not take turns with the target on its core."""
         pin_thread("calling thread", cores_besides(self.runtime.target_cores, self._previous_affinity[0]))
 

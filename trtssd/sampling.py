@@ -22,10 +22,21 @@ Generators = Union[None, torch.Generator, Sequence[Union[torch.Generator, None]]
 
 _MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's and vLLM's limit)
+# A temperature this small is greedy in all but name, and far smaller ones divide logits past
+# float32's range (5e-324 rounds to 0): NaN, not sampling. 0 asks for greedy.
+MIN_TEMPERATURE = 1e-6
+
+
+class FieldError(ValueError):
+    """A request's value that cannot be served; ``field`` names the request field at fault."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 def _fail(field: str, allowed: str, value: object) -> None:
-    raise ValueError(f"SamplingParams.{field} must be {allowed}, got {value!r}")
+    raise FieldError(field, f"SamplingParams.{field} must be {allowed}, got {value!r}")
 
 
 def _is_int(value: object) -> bool:
@@ -62,8 +73,8 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, list):
                 object.__setattr__(self, name, tuple(value))
-        if not _is_real(self.temperature) or self.temperature < 0:
-            _fail("temperature", "a finite number >= 0 (0 = greedy)", self.temperature)
+        if not _is_real(self.temperature) or not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):
+            _fail("temperature", f"0 (greedy) or a finite number >= {MIN_TEMPERATURE}", self.temperature)
         if not _is_int(self.top_k) or self.top_k < 0:
             _fail("top_k", "an int >= 0 (0 = off)", self.top_k)
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
@@ -209,6 +220,7 @@ def _top_k_top_p_keep(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     # cumulative mass can reach 1.0 before the tail, which would cut tokens off.
     top_p = top_p[:, None, None]
     keep_sorted &= (mass_before < top_p) | (top_p >= 1)
+    keep_sorted[..., 0] = True  # also where top_p is below float32's smallest number
     return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
 
 

@@ -13,6 +13,7 @@ from trtssd.bench.config import ALL_SYSTEMS, BenchConfig
 from trtssd.bench.prompts import BUILTIN_SETS, load_prompt_set
 from trtssd.bench.report import render_markdown, write_report
 from trtssd.bench.sweep import run_benchmark
+from trtssd.cli_options import add_engine_options, add_model_options, engine_options
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +24,11 @@ PRESETS = {
     # The full matrix: batch sizes 1..8, greedy and sampled (hours on a 2-core CPU).
     "full": dict(prompts_per_set=16, max_tokens=128, batch_sizes=(1, 2, 4, 8), temperatures=(0.0, 0.8)),
 }
+
+# Engine options each run sets itself: the system gives the mode (and plain_under_load: "auto"
+# against "ssd"), --k and --budget sweep K and the fan-out budget (a fixed fan-out would tie K),
+# --batch gives max_batch and the longest prompt gives max_seq_len.
+SWEPT = ("mode", "k", "fanout", "fanout_budget", "plain_under_load", "max_batch", "max_seq_len")
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -49,9 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="4 prompts per set x 64 tokens, batch 1, greedy (default)")
     size.add_argument("--full", action="store_true", help="16 prompts x 128 tokens, batch 1,2,4,8, temperature 0,0.8")
-    p.add_argument("--engine", default=None, help="engine directory (default: the embedded SmolLM2 engine)")
-    p.add_argument("--target", default=None, help="target model path instead of an engine")
-    p.add_argument("--draft", default=None, help="draft model path (with --target)")
+    add_model_options(p)
     p.add_argument("--systems", type=_names, default=ALL_SYSTEMS, help=f"subset of {','.join(ALL_SYSTEMS)}")
     p.add_argument("--datasets", type=_names, default=BUILTIN_SETS,
                    help=f"built-in sets ({','.join(BUILTIN_SETS)}) and/or JSONL files")
@@ -61,9 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=_floats, help="temperatures, e.g. 0,0.8")
     p.add_argument("--k", type=_ints, default=(), help="lookaheads (sweep: 3,5,7; default: the engine's)")
     p.add_argument("--budget", type=_ints, default=(), help="ssd fan-out budgets (sweep: 6,12,24; default: the engine's)")
-    p.add_argument("--backup", choices=("auto", "neural", "fast"), default="auto")
-    p.add_argument("--saguaro-c", type=float, default=None,
-                   help="ssd's cache-aware sampling scale in (0, 1]; 1 = plain sampling (default: the engine's)")
     p.add_argument("--allow-eos", action="store_true", help="stop at EOS (default: exactly --max-tokens tokens)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peer-threads", type=int, default=1, help="torch threads for the transformers peers")
@@ -81,13 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--shared-cores", action="store_true",
                    help="trtssd ranks each use every core (threads = cores) instead of one core each")
-    p.add_argument("--lend-draft-cores", choices=["exact", "always", "never"], default="exact",
-                   help="plain rounds of a ggml target on the draft's cores too (RuntimeConfig.lend_draft_cores)")
-    p.add_argument("--target-device", default="cpu", help="trtssd target rank: 'cpu', 'cuda' or 'cuda:N' "
-                   "(CUDA: unverified)")
-    p.add_argument("--draft-device", default="cpu", help="trtssd draft rank: 'cpu', 'cuda' or 'cuda:N'")
     p.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
     p.add_argument("--log-level", default="WARNING")
+    add_engine_options(p, skip=SWEPT)  # for every trtssd system
     return p
 
 
@@ -97,13 +94,16 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                       ("temperature", "temperatures")):
         if getattr(args, arg) is not None:
             preset[name] = getattr(args, arg)
+    llm_options = engine_options(args)
+    # Those BenchConfig has fields for (the report shows them) go there; it passes the rest on.
+    named = {name: llm_options.pop(name) for name in list(llm_options) if name in BenchConfig.__dataclass_fields__}
     return BenchConfig(
         engine=args.engine, target=args.target, draft=args.draft, systems=args.systems, datasets=args.datasets,
-        ks=args.k, budgets=args.budget, backup=args.backup, saguaro_c=args.saguaro_c, ignore_eos=not args.allow_eos, seed=args.seed,
-        warmup=not args.no_warmup, peer_threads=args.peer_threads, llamacpp_threads=args.llamacpp_threads,
-        llamacpp_draft_max=args.llamacpp_draft_max, shared_cores=args.shared_cores, lend_draft_cores=args.lend_draft_cores, hf_target=args.hf_target, hf_draft=args.hf_draft,
-        calibrate=not args.no_calibrate, handshake_s=args.handshake_s, out_dir=Path(args.out),
-        plots=not args.no_plots, target_device=args.target_device, draft_device=args.draft_device, **preset)
+        ks=args.k, budgets=args.budget, ignore_eos=not args.allow_eos, seed=args.seed, warmup=not args.no_warmup,
+        peer_threads=args.peer_threads, llamacpp_threads=args.llamacpp_threads,
+        llamacpp_draft_max=args.llamacpp_draft_max, shared_cores=args.shared_cores, hf_target=args.hf_target,
+        hf_draft=args.hf_draft, calibrate=not args.no_calibrate, handshake_s=args.handshake_s, out_dir=Path(args.out),
+        plots=not args.no_plots, llm_options=llm_options, **named, **preset)
 
 
 def main(argv: list[str] | None = None) -> int:

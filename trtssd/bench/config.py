@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from trtssd.build import resolve_models
@@ -60,6 +60,9 @@ class BenchConfig:
     plots: bool = True
     target_device: str = "cpu"  # the trtssd systems' target rank: "cpu", "cuda", "cuda:N" (CUDA: unverified)
     draft_device: str = "cpu"  # and their draft rank (the transformers peers and calibration stay on the CPU)
+    # More trtssd.LLM keywords for every trtssd system (draft_timeout_s, cores, transport, ...);
+    # each run's own mode, K, budget and sizes, and the fields above, override them.
+    llm_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         bad = [s for s in self.systems if s not in ALL_SYSTEMS]

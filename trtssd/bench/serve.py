@@ -256,7 +256,12 @@ def _r(x: float | None) -> float | None:
 
 
 class SSEDecoder:
-    """Splits a byte stream into Server-Sent Events' data payloads; an event ends at a blank line."""
+    """Splits a byte stream into Server-Sent Events' data payloads; an event ends at a blank line
+    (the serving tests' raw client, tests/sse_client.py, uses it too).
+
+    Not the `openai` client's streaming: it cannot read Triton's generate_stream, it ends quietly
+    on a stream cut short before ``data: [DONE]`` (here a failed request), and a chunk reaches its
+    caller only once its model object is built: every arrival would be timed a little late."""
 
     def __init__(self) -> None:
         self._buffer = b""

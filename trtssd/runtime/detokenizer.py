@@ -8,6 +8,11 @@ and TGI: it decodes a short window that starts with a few tokens already turned 
 context) and sends what the window's text adds past the context's own text, and it waits while
 the window's text ends in U+FFFD (a character still incomplete).
 
+tokenizers' own `decoders.DecodeStream` does the same in Rust and is not used here: on a
+byte-fallback tokenizer (Llama-2's layout) it raises "Invalid prefix" at a run of byte tokens
+that is not valid UTF-8, which a sampled output can hold (tests/test_detokenizer.py), and it has
+no flush for an incomplete character at the end of an output.
+
 `IncrementalDetokenizer` adds stop strings on top. It holds back any trailing text that could
 still become a stop string, so nothing it sends is ever taken back: the concatenation of its
 deltas is always the final text, and the final text ends right before the stop string.

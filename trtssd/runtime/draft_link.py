@@ -14,7 +14,7 @@ With the draft on CUDA (``draft_device``), either way, the bulk rows use CUDA IP
 and sends their handles in Ready, and the target maps them once.
 
 Any failure (timeout, exit, DraftError) marks the link dead; the engine then decodes in AR mode
-from its own state, so nothing is lost. A dead draft's job is ended whole (`DraftJob`): its
+from its own state, so nothing is lost. A dead draft's job is ended whole (`_end_job`): its
 processes are killed and the shared memory MPICH would have removed at MPI_Finalize is removed.
 """
 
@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -37,7 +35,7 @@ import torch
 from trtssd.config import ModelRef, RuntimeConfig, SpeculativeConfig, Transport
 from trtssd.runtime import protocol as P
 from trtssd.runtime.cuda_ipc import CudaIpcBuffers
-from trtssd.runtime.processes import descendants, mapped_segments, open_files, start_time
+from trtssd.runtime.processes import SHM_DIR, ProcessTree, exit_with, mapped_segments, remove_files
 from trtssd.runtime.transport import Channel, PeerLost, RoundBuffers, SharedBuffers, require_mpi
 
 if TYPE_CHECKING:
@@ -60,92 +58,31 @@ HOST = torch.device("cpu")
 # How long close() lets a draft that got Shutdown exit by itself (MPI_Finalize, interpreter exit)
 # before it is killed; a clean exit takes well under a second.
 EXIT_GRACE_S = 30.0
-# How long ending a job waits for its killed processes to disappear (SIGKILL acts at once, even
-# on a stopped process; this only bounds a process stuck in the kernel).
-KILL_WAIT_S = 10.0
+MPICH_SHM_PREFIXES = ("mpich_",)
+HYDRA_TEMP_PREFIXES = ("hydra_hwloc_xmlfile_",)
 
 
-class DraftJob:
-    """The draft's MPI job as operating-system processes, and the shared memory MPICH made for it.
+def _start_job(command: list[str], env: dict[str, str]) -> ProcessTree:
+    """The draft's MPI job, ended whole (`_end_job`) once it is over.
 
     ``mpiexec`` starts ``hydra_pmi_proxy``, which starts the python rank; hydra puts each in a new
-    session, so neither a process-group kill nor killing mpiexec reaches a rank that is stopped
-    or hung: the job's processes are found below mpiexec and killed one by one.
-
-    Every MPICH process creates a 1 MiB segment /dev/shm/mpich_shm_<job hash>_<node> in MPI_Init
-    and removes it in MPI_Finalize; a rank that is killed never gets there. The segments the
-    job's processes map are recorded while they run (their name hashes the job's PMI key-value
-    space name, which includes a random number, so it cannot be derived from outside), and
-    whichever still exist once the job is over are removed: only those, never another program's.
-    Hydra likewise writes its hardware topology to a temporary file (hydra_hwloc_xmlfile_*)
-    that its proxy holds open and that only a clean exit removes: recorded and removed the same way.
+    session, so the tree's processes are recorded and killed one by one. Every MPICH process
+    creates a 1 MiB segment /dev/shm/mpich_shm_<job hash>_<node> in MPI_Init and removes it in
+    MPI_Finalize, which a killed rank never reaches: the segments the job maps are recorded while
+    it runs (their name hashes the job's PMI key-value space name, which includes a random number,
+    so it cannot be derived from outside). Hydra likewise writes its hardware topology to a
+    temporary file (hydra_hwloc_xmlfile_*) that its proxy holds open and that only a clean exit
+    removes. This process's own MPI segment is never the job's to remove.
     """
+    return ProcessTree(command, env=env, shm_prefixes=MPICH_SHM_PREFIXES, file_prefixes=HYDRA_TEMP_PREFIXES,
+                       ignored_segments=_mapped_mpich_segments(os.getpid()))
 
-    def __init__(self, process: subprocess.Popen):
-        self.process = process  # mpiexec
-        self._processes: dict[int, float] = {}  # pid -> start time (a pid reused later is not ours)
-        self._segments: set[str] = set()  # MPICH's /dev/shm names mapped by the job
-        self._files: set[str] = set()  # hydra's temporary files held open by the job
-        self._own_segments = _mapped_mpich_segments(os.getpid())  # this process's MPI: never ours to remove
 
-    def running(self) -> bool:
-        return self.process.poll() is None
-
-    def record(self) -> None:
-        """Note the job's processes and the MPICH segments they map (call while it runs)."""
-        if not self.running():
-            return
-        for pid in [self.process.pid, *descendants(self.process.pid)]:
-            start = start_time(pid)
-            if start is not None:
-                self._processes.setdefault(pid, start)
-        for pid in self._live_processes():
-            self._segments |= _mapped_mpich_segments(pid) - self._own_segments
-            self._files |= open_files(pid, HYDRA_TEMP_PREFIXES)
-
-    def wait(self, timeout_s: float) -> bool:
-        """Wait for mpiexec to exit by itself; True when it did, with status 0."""
-        try:
-            return self.process.wait(timeout=timeout_s) == 0
-        except subprocess.TimeoutExpired:
-            return False
-
-    def end(self) -> None:
-        """Kill whatever is left of the job, then remove the MPICH segments it left (idempotent)."""
-        self.record()  # processes started since the last look (e.g. the rank's resource tracker)
-        for pid in self._live_processes():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if self.process.poll() is None:
-            self.process.kill()  # where nothing was recorded: mpiexec at least
-        self.process.wait()  # mpiexec is our child: reap it
-        deadline = time.monotonic() + KILL_WAIT_S
-        while self._live_processes() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if survivors := self._live_processes():
-            log.warning("draft job processes %s did not end after SIGKILL", survivors)
-        removed = []
-        for name in sorted(self._segments):
-            try:
-                os.unlink(f"/dev/shm/{name}")
-                removed.append(name)
-            except FileNotFoundError:
-                pass  # MPI_Finalize removed it: the rank exited cleanly
-        self._segments.clear()
-        for path in sorted(self._files):
-            try:
-                os.unlink(path)
-                removed.append(path)
-            except FileNotFoundError:
-                pass  # hydra removed it on a clean exit
-        self._files.clear()
-        if removed:
-            log.info("removed what the draft job left (MPICH shared memory, hydra files): %s", ", ".join(removed))
-
-    def _live_processes(self) -> list[int]:
-        return [pid for pid, start in self._processes.items() if start_time(pid) == start]
+def _end_job(job: ProcessTree) -> None:
+    """Kill whatever is left of the draft job and remove what it left (idempotent)."""
+    removed = job.end().removed
+    if removed:  # expected after a killed or hung draft
+        log.info("removed what the draft job left (MPICH shared memory, hydra files): %s", ", ".join(removed))
 
 
 def end_with_target(target_pid: int) -> None:
@@ -158,28 +95,13 @@ def end_with_target(target_pid: int) -> None:
     reached its own MPI_Finalize (after a normal exit they are gone already). The target's
     resource tracker removes our buffers.
     """
-    try:
-        target = os.pidfd_open(target_pid)  # the target is alive: it started us
-    except (AttributeError, OSError) as err:  # not Linux >= 5.3
-        log.info("cannot watch the target process (%s): the draft outlives a killed target", err)
-        return
-    target_segments = _mapped_mpich_segments(target_pid)
+    target_segments = _mapped_mpich_segments(target_pid)  # the target is alive: it started us
 
-    def watch() -> None:
-        select.select([target], [], [])  # readable once the target has exited
+    def before_exit() -> None:
         log.warning("target process %d exited without shutting the draft down: exiting", target_pid)
-        for name in _mapped_mpich_segments(os.getpid()) | target_segments:
-            try:
-                os.unlink(f"/dev/shm/{name}")
-            except FileNotFoundError:
-                pass
-        os._exit(1)
+        remove_files(SHM_DIR + name for name in _mapped_mpich_segments(os.getpid()) | target_segments)
 
-    threading.Thread(target=watch, name="watch-target", daemon=True).start()
-
-
-MPICH_SHM_PREFIXES = ("mpich_",)
-HYDRA_TEMP_PREFIXES = ("hydra_hwloc_xmlfile_",)
+    exit_with(target_pid, before_exit)
 
 
 def _mapped_mpich_segments(pid: int) -> set[str]:
@@ -188,7 +110,7 @@ def _mapped_mpich_segments(pid: int) -> set[str]:
 
 
 class DraftLink:
-    def __init__(self, comm: MPI.Intracomm, peer: int, job: DraftJob | None, timeout_s: float):
+    def __init__(self, comm: MPI.Intracomm, peer: int, job: ProcessTree | None, timeout_s: float):
         self.comm = comm
         self.channel = Channel(comm, peer)
         self.job = job  # None when the draft is a rank of our own MPI job (launch="world")
@@ -213,7 +135,7 @@ class DraftLink:
         level = logging.getLevelName(logging.getLogger("trtssd").getEffectiveLevel())
         cmd = [_mpiexec(), "-n", "1", sys.executable, "-m", "trtssd.runtime.draft_rank",
                "--port", port, "--log-level", str(level), "--target-pid", str(os.getpid())]
-        job = DraftJob(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
+        job = _start_job(cmd, env)
         link = None
         try:
             inter = _accept(port, job, start_timeout_s)  # closes the port when it fails
@@ -231,7 +153,7 @@ class DraftLink:
         except BaseException:
             # Whatever state the draft is in, end its job and free what we made for it.
             if link is None:
-                job.end()
+                _end_job(job)
             else:
                 link.alive = False
                 link.close()
@@ -313,7 +235,7 @@ class DraftLink:
         if self.job is not None:
             # A draft that stopped answering must not come back mid-stream; one that is stopped
             # or hung would hold its processes and shared memory forever.
-            self.job.end()
+            _end_job(self.job)
 
     # --- stop --------------------------------------------------------------------------------
 
@@ -330,10 +252,10 @@ class DraftLink:
         if self.job is not None:
             # The MPI connection is only taken down with a draft that exited cleanly: with a
             # dead peer, Disconnect could wait forever.
-            if self.alive and self.job.wait(EXIT_GRACE_S):
+            if self.alive and self.job.wait(EXIT_GRACE_S) == 0:
                 self.comm.Free()
                 self._inter.Disconnect()
-            self.job.end()  # nothing left to kill after a clean exit; otherwise kill and clean up
+            _end_job(self.job)  # nothing left to kill after a clean exit; otherwise kill and clean up
         if self.buffers is not None:
             if self.job is not None or self.alive:
                 self.buffers.close()
@@ -348,7 +270,7 @@ def _layout(runtime: RuntimeConfig, spec: SpeculativeConfig, vocab_size: int) ->
     return P.BufferLayout(runtime.max_batch, spec.k, vocab_size, None, transport.value, device)
 
 
-def _accept(port: str, job: DraftJob, timeout_s: float) -> MPI.Intercomm:
+def _accept(port: str, job: ProcessTree, timeout_s: float) -> MPI.Intercomm:
     """Accept the draft's connection; fail clearly if it exits or takes too long."""
     result: dict = {}
     mpi = require_mpi("launch='spawn'")
@@ -371,7 +293,7 @@ def _accept(port: str, job: DraftJob, timeout_s: float) -> MPI.Intercomm:
             failure = f"draft rank did not connect within {timeout_s:.0f} s"
     if failure is None and "error" not in result:
         return result["comm"]
-    job.end()  # nothing of that job may connect from here on
+    _end_job(job)  # nothing of that job may connect from here on
     if thread.is_alive():
         _release_accept(port, thread)
     mpi.Close_port(port)

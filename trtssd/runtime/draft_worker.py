@@ -41,7 +41,7 @@ from trtssd.sampling import SamplingParams, processed_probs, sample_with_uniform
 from trtssd.spec_decode.backup import ngram_proposal
 from trtssd.spec_decode.cache import CachedSpeculation, PreSpeculation, pre_speculation
 from trtssd.spec_decode.fanout import AcceptanceEstimator, PowerLawEstimator, optimal_fanout
-from trtssd.spec_decode.saguaro import saguaro_probs, select_forks_batched, top_tokens
+from trtssd.spec_decode.saguaro import saguaro_probs, select_forks_batched
 from trtssd.spec_decode.tree import TreeLayout, append_chunk
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,8 @@ class DraftWorker:
             return 0
         t0 = time.perf_counter()
         glue_logits = self._glue(seqs)
-        layouts = self._fork(seqs, glue_logits, self._tree_width(len(seqs)))
+        width = self._tree_width(len(seqs))
+        layouts = self._fork(seqs, glue_logits, [self._fanout(s, width) for s in seqs])
         drafts, step_logits = self._tree(seqs, layouts)
         self._populate(seqs, layouts, drafts, step_logits)
         self.costs.observe("prespec_s", time.perf_counter() - t0)
@@ -197,15 +198,9 @@ class DraftWorker:
         seqs = [self.seqs[sid] for sid in first if sid in self.seqs]
         if not seqs:
             return 0
-        logits = torch.stack([first[s.seq_id] for s in seqs])
+        prompt_logits = torch.stack([first[s.seq_id] for s in seqs])[:, None, :]  # one row: depth 0
         width = self._tree_width(len(seqs))
-        fans = [self._fit(s, [width] + [0] * self.k) for s in seqs]
-        order = top_tokens(self._fork_scores(logits[:, None, :], seqs)[:, 0], max(f[0] for f in fans))
-        layouts = []
-        for s, fan, candidates in zip(seqs, fans, order):
-            forks = candidates[:fan[0]]
-            layouts.append((TreeLayout(s.seq_id, self.executor.committed(s.seq_id), self.k,
-                                       torch.zeros_like(forks), forks, glued=False), fan))
+        layouts = self._fork(seqs, prompt_logits, [[width] + [0] * self.k for _ in seqs], glued=False)
         # Saguaro skews a token by the fan-out that will be cached after it: a regular tree's.
         drafts, step_logits = self._tree(seqs, layouts, [self._fanout(s, width) for s in seqs])
         self._populate(seqs, layouts, drafts, step_logits)
@@ -246,31 +241,35 @@ class DraftWorker:
 
     def _fill(self, seqs: list[DraftSequence], outcomes, cached: list[CachedSpeculation | None]) -> Answer:
         """Hits from the cache; misses from the neural backup (drafted now) or the fast one."""
+        misses = [i for i, found in enumerate(cached) if found is None]
+        drafted = self._draft_rows(seqs, outcomes, self._neural_rows(seqs, misses))
+        backup = Source.SD if self.spec.mode is Mode.SD else Source.NEURAL
         n = len(seqs)
         tokens = torch.zeros(n, self.k, dtype=torch.long)
         probs = None if all(s.params.is_greedy for s in seqs) else torch.zeros(n, self.k, self.executor.vocab_size)
-        sources = [Source.HIT] * n
-        misses = [i for i, found in enumerate(cached) if found is None]
-        neural = self._neural_rows(seqs, misses)
-        for i, found in enumerate(cached):
+        sources = []
+        for i, (seq, found) in enumerate(zip(seqs, cached)):
             if found is not None:
-                tokens[i] = found.tokens
-                if probs is not None and found.probs is not None:
-                    probs[i] = found.probs
-        if neural:
-            t0 = time.perf_counter()
-            drafts = self._draft_chains([seqs[i] for i in neural], [outcomes[i] for i in neural])
-            self.costs.observe("jit_s", time.perf_counter() - t0)
-            tokens[neural] = drafts.tokens
-            if probs is not None and drafts.probs is not None:
-                probs[neural] = drafts.probs
-        for i in misses:
-            sources[i] = (Source.SD if self.spec.mode is Mode.SD else Source.NEURAL) if i in neural else Source.FAST
-        fast = [i for i in misses if sources[i] is Source.FAST]
-        for i in fast:
-            tokens[i] = torch.tensor(ngram_proposal(seqs[i].history, self.k))
-        point_mass = [sources[i] is Source.FAST and not seqs[i].params.is_greedy for i in range(n)]
+                source, row, q = Source.HIT, found.tokens, found.probs
+            elif i in drafted:
+                source, (row, q) = backup, drafted[i]
+            else:  # deterministic tokens: a point mass on sampled rows
+                source, row, q = Source.FAST, torch.tensor(ngram_proposal(seq.history, self.k)), None
+            tokens[i] = row
+            if probs is not None and q is not None:
+                probs[i] = q
+            sources.append(source)
+        point_mass = [src is Source.FAST and not s.params.is_greedy for s, src in zip(seqs, sources)]
         return Answer(tokens, probs, point_mass, sources)
+
+    def _draft_rows(self, seqs: list[DraftSequence], outcomes, rows: list[int]) -> dict[int, tuple]:
+        """``rows`` drafted just in time, in one batch: row -> (K tokens, their q' rows or None)."""
+        if not rows:
+            return {}
+        t0 = time.perf_counter()
+        drafts = self._draft_chains([seqs[i] for i in rows], [outcomes[i] for i in rows])
+        self.costs.observe("jit_s", time.perf_counter() - t0)
+        return {i: (drafts.tokens[r], None if drafts.probs is None else drafts.probs[r]) for r, i in enumerate(rows)}
 
     def _neural_rows(self, seqs: list[DraftSequence], misses: list[int]) -> list[int]:
         """Which missed rows the draft drafts just in time (the rest get the fast backup)."""
@@ -290,22 +289,21 @@ class DraftWorker:
         # sd has no cache, so no fan-out for Saguaro's skew to follow
         fanouts = [self._fanout(s) if self.spec.mode is Mode.SSD else [0] * (self.k + 1) for s in seqs]
         uniforms = self._uniforms(seqs, [(s.round, o.num_accepted, o.bonus) for s, o in zip(seqs, outcomes)])
-        chunks = []
-        for s in seqs:
-            head = s.uncached + [s.bonus]
-            chunks.append(chain_chunk(s.seq_id, head, self.executor.committed(s.seq_id)))
-            s.kv_chain = list(head)
+        chunks = [self._extend_chain(s, s.uncached + [s.bonus]) for s in seqs]  # the chain is empty after _advance
         steps = []
         for d in range(self.k):
             logits = torch.stack([out[-1] for out in self.executor.forward(chunks)])
             tok, q = self._sample(logits, seqs, [f[d] for f in fanouts], uniforms[:, d])
             steps.append((tok, q))
             if d + 1 < self.k:
-                chunks = [append_chunk(s.seq_id, self.executor.committed(s.seq_id), [t], len(s.kv_chain))
-                          for s, t in zip(seqs, tok.tolist())]
-                for s, t in zip(seqs, tok.tolist()):
-                    s.kv_chain.append(t)
+                chunks = [self._extend_chain(s, [t]) for s, t in zip(seqs, tok.tolist())]
         return _stack(steps)
+
+    def _extend_chain(self, seq: DraftSequence, tokens: list[int]):
+        """The forward input writing ``tokens`` after the sequence's region chain, which they join."""
+        chunk = append_chunk(seq.seq_id, self.executor.committed(seq.seq_id), tokens, len(seq.kv_chain))
+        seq.kv_chain += tokens
+        return chunk
 
     def _sample(self, logits: torch.Tensor, seqs: list[DraftSequence], fanouts: list[int],
                 uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -379,8 +377,8 @@ class DraftWorker:
         law = self.power_law.estimate()
         return optimal_fanout(width, self.k, self.acceptance.value, law.r, law.c)
 
-    def _glue(self, seqs: list[DraftSequence]) -> list[torch.Tensor]:
-        """Write draft KV for [uncached.., b, s_1..s_K]; return the K+1 glue logit rows each.
+    def _glue(self, seqs: list[DraftSequence]) -> torch.Tensor:
+        """Write draft KV for [uncached.., b, s_1..s_K]; return the K+1 glue logit rows each, [n, K+1, V].
 
         On a hit the tree branch the speculation came from already holds the KV and the logits
         of b, s_1..s_{K-1} (same tokens, positions and context): its scratch slots are copied
@@ -403,7 +401,7 @@ class DraftWorker:
             s.kv_chain = [s.bonus] + s.last_spec
             s.hit = None
             glue.append(out[-(self.k + 1):] if rows is None else torch.cat(rows + [out[-1:]]))
-        return glue
+        return torch.stack(glue)
 
     def _adopt_branch(self, s: DraftSequence, committed: int) -> list[torch.Tensor] | None:
         """Move the hit branch's KV for b, s_1..s_{K-1} to region slots 0..K-1; return its K
@@ -417,17 +415,21 @@ class DraftWorker:
         self.executor.copy_slots(s.seq_id, src, committed + steps)
         return [pre.step_logits[d][i:i + 1] for d in range(self.k)]
 
-    def _fork(self, seqs: list[DraftSequence], glue_logits: list[torch.Tensor],
-              width: int) -> list[tuple[TreeLayout, list[int]]]:
-        """The fork candidates of every sequence (one batched top-k), as tree layouts."""
-        fanouts = [self._fit(s, self._fanout(s, width)) for s in seqs]
-        scores = self._fork_scores(torch.stack(glue_logits), seqs)  # [n, K+1, V]
-        forks = select_forks_batched(scores, torch.tensor([s.last_spec for s in seqs]), torch.tensor(fanouts))
+    def _fork(self, seqs: list[DraftSequence], logits: torch.Tensor, fans: list[list[int]],
+              glued: bool = True) -> list[tuple[TreeLayout, list[int]]]:
+        """The fork candidates of every sequence (one batched top-k), as tree layouts with their
+        F_0..F_K. ``logits`` [n, rows, V]: row j is what the bonus would be after j accepted, the
+        K+1 glue rows; unglued, the prompt's last row alone (the first token has no speculation)."""
+        fans = [self._fit(s, fan) for s, fan in zip(seqs, fans)]
+        depths = logits.shape[1]
+        proposals = torch.tensor([s.last_spec if glued else [] for s in seqs], dtype=torch.long)
+        forks = select_forks_batched(self._fork_scores(logits, seqs), proposals.view(len(seqs), depths - 1),
+                                     torch.tensor(fans)[:, :depths])
         layouts = []
-        for i, s in enumerate(seqs):
+        for i, (s, fan) in enumerate(zip(seqs, fans)):
             mine = forks.seq_index == i
-            layout = TreeLayout(s.seq_id, self.executor.committed(s.seq_id), self.k, forks.depth[mine], forks.token[mine])
-            layouts.append((layout, fanouts[i]))
+            layouts.append((TreeLayout(s.seq_id, self.executor.committed(s.seq_id), self.k, forks.depth[mine],
+                                       forks.token[mine], glued), fan))
         return layouts
 
     def _fork_scores(self, logits: torch.Tensor, seqs: list[DraftSequence]) -> torch.Tensor:

@@ -31,16 +31,16 @@ arrival and departure, and a speculative round yields anything from 1 to K+1 tok
   where speculation won at a larger batch it wins here. Only a size with no such evidence is
   tried, speculation first.
 
-A try of the slower mode also waits until the decided mode has run ``quiet_per_try`` times as
-long as that mode's last try took: rounds of the two modes may differ tenfold in length (a
+A try of the slower choice also waits until the decided choice has run ``quiet_per_try`` times as
+long as that choice's last try took: rounds of the two choices may differ tenfold in length (a
 speculative round of K = 7 against a plain one), and a try of speculation after plain rounds
 starts with the draft catching up on every token it missed (two rounds of up to a second on the
 default ggml engine, whose self-draft costs what its target costs), so neither a count of rounds
-nor the other mode's short tries may set the pace of tries: they would take most of the time.
+nor the other choice's short tries may set the pace of tries: they would take most of the time.
 
-Switching itself costs (those unsteady rounds), and running sums wander, so the mode of a batch
+Switching itself costs (those unsteady rounds), and running sums wander, so the choice of a batch
 size is decided when a try ends (the faster one wins); between tries it changes only when the
-other mode has measured ``switch_margin`` faster, and so does a change of batch size.
+other choice has measured ``switch_margin`` faster, and so does a change of batch size.
 
 Where the forward costs of both ranks are known (the draft's calibration, sent when it starts,
 and the target's own, timed once per machine and model), they bound what speculation can give:
@@ -74,7 +74,7 @@ def speculation_ceiling(draft_s: Callable[[int], float], target_s: Callable[[int
 
 @dataclass
 class _Rate:
-    """Running sums of one mode's rounds: tokens / seconds is its rate."""
+    """Running sums of one choice's rounds: tokens / seconds is its rate."""
 
     tokens: float
     seconds: float
@@ -87,31 +87,31 @@ class _Rate:
 @dataclass
 class _BatchSize:
     rates: dict[bool, _Rate] = field(default_factory=dict)  # speculative? -> its rate
-    probe_every: int = 0  # rounds between tries of the slower mode
+    probe_every: int = 0  # rounds between tries of the slower choice
     since_probe: int = 0
-    mode: bool | None = None  # the mode decided here (True: speculation); None before both ran
-    trying: bool | None = None  # the mode a pending try runs
+    choice: bool | None = None  # the choice decided here (True: speculation); None before both ran
+    trying: bool | None = None  # the choice a pending try runs
     try_left: int = 0  # rows the try still needs measured
     try_spent: int = 0  # rounds the try has run, measured or not
-    try_s: dict[bool, float] = field(default_factory=dict)  # mode -> seconds its pending (or last) try ran
-    since_probe_s: float = 0.0  # seconds of the decided mode since the last try
+    try_s: dict[bool, float] = field(default_factory=dict)  # choice -> seconds its pending (or last) try ran
+    since_probe_s: float = 0.0  # seconds of the decided choice since the last try
     ruled_out: bool = False  # plain rounds measured at speculation's ceiling (see _ruled_out)
 
 
 @dataclass
 class RoundChooser:
-    min_probe_every: int = 16  # rounds between tries of the slower mode, after a flip
+    min_probe_every: int = 16  # rounds between tries of the slower choice, after a flip
     max_probe_every: int = 512
     decay: float = 0.8  # weight of the past in the running sums
     speculative_try_rows: int = 4  # rows measured in a try of speculation
     plain_try_rows: int = 8  # rows measured in a try of plain rounds
     max_unsteady: int = 4  # unsteady rounds in a row after which they are measured
-    switch_margin: float = 0.25  # how much faster the other mode must be to switch to it on a batch change
-    quiet_per_try: float = 9.0  # seconds of the decided mode before the next try, per second of the last
+    switch_margin: float = 0.25  # how much faster the other choice must be to switch to it on a batch change
+    quiet_per_try: float = 9.0  # seconds of the decided choice before the next try, per second of the last
     ceiling: Callable[[int], float] | None = None  # batch -> speculation's best tokens/s (speculation_ceiling)
     _by_batch: dict[int, _BatchSize] = field(default_factory=dict)
     _unsteady: int = 0  # unsteady rounds in a row
-    _last: bool | None = None  # the mode of the last round
+    _last: bool | None = None  # the choice of the last round
     _last_batch: int | None = None  # the batch size of the last round
 
     def speculate(self, batch: int) -> bool:
@@ -122,32 +122,32 @@ class RoundChooser:
 
     def _speculate(self, batch: int) -> bool:
         b = self._entry(batch)
-        if b.mode is None:  # not measured here yet: the neighbours' answer, else a try
+        if b.choice is None:  # not measured here yet: the neighbours' answer, else a try
             inferred = self._inferred(batch)
             if inferred is not None:
-                b.trying = None  # rounds of the borrowed mode measure it here meanwhile
+                b.trying = None  # rounds of the borrowed choice measure it here meanwhile
                 return inferred
             if b.trying is None:
                 self._start_try(b, self._first_try(b))
         if b.trying is not None:
             b.try_spent += 1
             # A try goes on until its rounds are measured; under a stream of arrivals they may
-            # never be steady, and a try of the slower mode must not run for good.
+            # never be steady, and a try of the slower choice must not run for good.
             # A try of plain rounds waits out the draft's busy spell, which is bounded.
-            if (b.try_spent <= self._try_rounds(b.trying, batch) + self.max_unsteady or b.mode is None
+            if (b.try_spent <= self._try_rounds(b.trying, batch) + self.max_unsteady or b.choice is None
                     or not b.trying):
                 return b.trying
             self._end_try(b, batch)
         b.since_probe += 1
-        if b.since_probe >= b.probe_every and b.since_probe_s >= self.quiet_per_try * b.try_s.get(not b.mode, 0.0):
+        if b.since_probe >= b.probe_every and b.since_probe_s >= self.quiet_per_try * b.try_s.get(not b.choice, 0.0):
             b.since_probe, b.since_probe_s = 0, 0.0
-            if b.mode or not self._ruled_out(b, batch):
-                return self._start_try(b, not b.mode)
-        if self._clearly_faster(b, not b.mode):  # the load changed since the last try
-            b.mode, b.probe_every = not b.mode, self.min_probe_every
-        if batch != self._last_batch and self._last is not None and not self._clearly_faster(b, b.mode, self._last):
+            if b.choice or not self._ruled_out(b, batch):
+                return self._start_try(b, not b.choice)
+        if self._clearly_faster(b, not b.choice):  # the load changed since the last try
+            b.choice, b.probe_every = not b.choice, self.min_probe_every
+        if batch != self._last_batch and self._last is not None and not self._clearly_faster(b, b.choice, self._last):
             return self._last  # an arrival or a departure: not worth a switch
-        return b.mode
+        return b.choice
 
     def observe(self, speculative: bool, batch: int, tokens: int, seconds: float, steady: bool = True) -> None:
         """One round's result. ``steady``: False for a speculative round some row of which has
@@ -165,16 +165,16 @@ class RoundChooser:
         if 0 < self._unsteady < self.max_unsteady:
             return
         if b.trying is not None and speculative != b.trying:
-            return  # a try of the other mode is pending; this round (chosen elsewhere) is not it
+            return  # a try of the other choice is pending; this round (chosen elsewhere) is not it
         rate = b.rates.get(speculative)
-        if b.trying is None:  # the decided mode, or one borrowed from the neighbours
+        if b.trying is None:  # the decided choice, or one borrowed from the neighbours
             if rate is None:
                 b.rates[speculative] = _Rate(tokens, seconds)
             else:
                 rate.tokens = self.decay * rate.tokens + (1 - self.decay) * tokens
                 rate.seconds = self.decay * rate.seconds + (1 - self.decay) * seconds
-            if b.mode is None and len(b.rates) == 2:
-                b.mode = b.rates[True].value >= b.rates[False].value
+            if b.choice is None and len(b.rates) == 2:
+                b.choice = b.rates[True].value >= b.rates[False].value
             return
         if b.try_left == self._try_rows(speculative) or rate is None:  # a try's first round: the stale sums go
             b.rates[speculative] = _Rate(tokens, seconds)
@@ -186,17 +186,17 @@ class RoundChooser:
             self._end_try(b, batch)
 
     def choice(self, batch: int) -> bool | None:
-        """The mode decided at a batch size (True: speculate), None before both were tried."""
+        """The choice decided at a batch size (True: speculate), None before both were tried."""
         b = self._by_batch.get(batch)
-        return None if b is None else b.mode
+        return None if b is None else b.choice
 
     def expects_plain(self, batch: int) -> bool:
         """Whether rounds at a batch size will be plain for now: decided so there, a try of plain
         rounds pending or due first (with a ceiling, a new batch size tries them first), or
         borrowed from a neighbour that decided so."""
         b = self._by_batch.get(batch)
-        if b is not None and b.mode is not None:
-            return b.mode is False
+        if b is not None and b.choice is not None:
+            return b.choice is False
         if b is not None and b.trying is not None:
             return not b.trying
         inferred = self._inferred(batch)
@@ -205,7 +205,7 @@ class RoundChooser:
         return self.ceiling is not None and (b is None or False not in b.rates)
 
     def rate(self, speculative: bool, batch: int) -> float | None:
-        """Measured tokens/s of a mode at a batch size (None before any round of it)."""
+        """Measured tokens/s of a choice at a batch size (None before any round of it)."""
         b = self._by_batch.get(batch)
         return None if b is None or speculative not in b.rates else b.rates[speculative].value
 
@@ -214,16 +214,16 @@ class RoundChooser:
     def _entry(self, batch: int) -> _BatchSize:
         return self._by_batch.setdefault(batch, _BatchSize(probe_every=self.min_probe_every))
 
-    def _clearly_faster(self, b: _BatchSize, mode: bool, than: bool | None = None) -> bool:
-        """Whether ``mode`` measured ``switch_margin`` faster than ``than`` (the other mode). A
-        mode never measured here (speculation ruled out by its ceiling) is slower than any."""
-        than = (not mode) if than is None else than
-        if mode == than or mode not in b.rates:
+    def _clearly_faster(self, b: _BatchSize, choice: bool, than: bool | None = None) -> bool:
+        """Whether ``choice`` measured ``switch_margin`` faster than ``than`` (the other choice). A
+        choice never measured here (speculation ruled out by its ceiling) is slower than any."""
+        than = (not choice) if than is None else than
+        if choice == than or choice not in b.rates:
             return False
-        return than not in b.rates or b.rates[mode].value > (1 + self.switch_margin) * b.rates[than].value
+        return than not in b.rates or b.rates[choice].value > (1 + self.switch_margin) * b.rates[than].value
 
     def _first_try(self, b: _BatchSize) -> bool:
-        """The mode a new batch size tries first: speculation, unless its ceiling is known (then
+        """The choice a new batch size tries first: speculation, unless its ceiling is known (then
         plain rounds, whose short try may rule speculation out)."""
         if self.ceiling is not None and False not in b.rates:
             return False
@@ -244,11 +244,11 @@ class RoundChooser:
         return ruled_out
 
     def _try_rows(self, speculative: bool) -> int:
-        """Rows a try of a mode measures."""
+        """Rows a try of a choice measures."""
         return self.speculative_try_rows if speculative else self.plain_try_rows
 
     def _try_rounds(self, speculative: bool, batch: int) -> int:
-        """Measured rounds a try of a mode takes at a batch size."""
+        """Measured rounds a try of a choice takes at a batch size."""
         return -(-self._try_rows(speculative) // batch)
 
     def _start_try(self, b: _BatchSize, speculative: bool) -> bool:
@@ -257,16 +257,16 @@ class RoundChooser:
         return speculative
 
     def _end_try(self, b: _BatchSize, batch: int) -> None:
-        """Decide with what the try measured; back off when it confirmed the mode."""
+        """Decide with what the try measured; back off when it confirmed the choice."""
         b.trying = None
         log.debug("batch %d: a try ended; tokens/s speculative %s, plain %s, ceiling %s", batch,
                   *(f"{b.rates[m].value:.1f}" if m in b.rates else None for m in (True, False)),
                   None if self.ceiling is None else f"{self.ceiling(batch):.1f}")
-        if b.mode is None and True not in b.rates and self._ruled_out(b, batch):
-            b.mode = False
+        if b.choice is None and True not in b.rates and self._ruled_out(b, batch):
+            b.choice = False
         elif len(b.rates) == 2:
-            before, b.mode = b.mode, b.rates[True].value >= b.rates[False].value
-            b.probe_every = (min(2 * b.probe_every, self.max_probe_every) if b.mode == before
+            before, b.choice = b.choice, b.rates[True].value >= b.rates[False].value
+            b.probe_every = (min(2 * b.probe_every, self.max_probe_every) if b.choice == before
                              else self.min_probe_every)
 
     def _inferred(self, batch: int) -> bool | None:

@@ -1,5 +1,9 @@
 """The target rank: scheduling, speculate -> verify -> commit, and emission with stops.
 
+The loop deals in token ids only: stops by token (EOS, stop_token_ids, max_tokens) end a sequence
+here; text and stop strings are the output processor's (runtime/output_processor.py), which ends
+a sequence through `stop` when a stop string completes.
+
 Each step admits waiting requests (target prefill, draft prefill in parallel), then runs one
 round for every running sequence: in `ar` mode one target step; in `sd`/`ssd` mode it sends the
 last outcomes to the draft, receives the speculation, verifies it in one K+1-token target pass
@@ -24,17 +28,17 @@ from typing import Protocol
 
 import torch
 
-from trtssd.backends.base import Chunk, Executor, chain_chunk
+from trtssd.backends.base import Executor, chain_chunk
 from trtssd.config import Mode, SpeculativeConfig
 from trtssd.runtime import protocol as P
-from trtssd.runtime.detokenizer import IncrementalDetokenizer
 from trtssd.runtime.draft_client import DraftClient
 from trtssd.runtime.metrics import SpecMetrics
 from trtssd.runtime.affinity import CoreLending
 from trtssd.runtime.round_choice import RoundChooser, speculation_ceiling
 from trtssd.runtime.speedup_model import CostCurve, calibrated_forwards
 from trtssd.runtime.transport import PeerLost
-from trtssd.sampling import SamplingParams, TokenLogprob, make_generator, processed_probs, sample, token_logprobs
+from trtssd.sampling import (FieldError, SamplingParams, TokenLogprob, make_generator, processed_probs, sample,
+                             token_logprobs)
 from trtssd.spec_decode.verify import verify
 
 log = logging.getLogger(__name__)
@@ -45,7 +49,10 @@ CEILING_MAX_ROWS = 64  # the widest target forward timed for load control's ceil
 
 @dataclass
 class Sequence:
+    """One request, from admission to its end: the loop's record of it (and the only one)."""
+
     seq_id: int
+    request_id: str
     prompt: list[int]
     params: SamplingParams
     generator: torch.Generator | None
@@ -54,30 +61,22 @@ class Sequence:
     bonus: int | None = None  # last emitted token, not yet in the target's KV
     outcome: P.Outcome | None = None  # to report to the draft next round
     finish_reason: str | None = None
-    detokenizer: IncrementalDetokenizer | None = None  # made at the first token, with a tokenizer
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
-    arrival: float = field(default_factory=time.perf_counter)
-    first_token_time: float | None = None
+    arrival: float = field(default_factory=time.perf_counter)  # when the request was made
+    emit_times: list[float] = field(default_factory=list)  # when each emission of tokens happened
     finish_time: float | None = None
     on_draft: bool = False  # the draft rank knows this sequence
     spec_streak: int = 0  # speculative rounds in a row (since admission or the last plain round)
 
-    @property
-    def text(self) -> str:
-        """The text streamed so far (all of it once finished): the deltas joined."""
-        return self.detokenizer.text if self.detokenizer is not None else ""
-
 
 @dataclass(frozen=True)
 class StepOutput:
-    """What one step produced for one sequence (a streaming delta)."""
+    """What one step produced for one sequence: its new tokens."""
 
     seq_id: int
     new_token_ids: list[int]
-    text_delta: str
     finished: bool
     finish_reason: str | None
-    token_deltas: tuple[str, ...] = ()  # each new token's share of text_delta (for per-token streams)
     logprobs: tuple[TokenLogprob, ...] = ()  # one per new token, when the request asked for them
 
 
@@ -124,10 +123,10 @@ class ExecutorVerifier:
 
     def verify(self, seqs: list[Sequence], proposals: torch.Tensor, probs: torch.Tensor | None,
                point_mass: tuple[bool, ...]) -> Verified:
-        chunks = [
-            Chunk(s.seq_id, *_verify_layout(s.bonus, proposals[i], self.target.committed(s.seq_id)))
-            for i, s in enumerate(seqs)
-        ]
+        # Each row [bonus, s_1..s_K] appended causally at its committed length.
+        rows = proposals.tolist()
+        chunks = [chain_chunk(s.seq_id, [s.bonus] + rows[i], self.target.committed(s.seq_id))
+                  for i, s in enumerate(seqs)]
         logits = torch.stack(self.target.forward(chunks))  # [B, K+1, V]
         result = verify(
             logits, proposals.clone(), torch.full((len(seqs),), self.k, dtype=torch.long), probs,
@@ -137,7 +136,6 @@ class ExecutorVerifier:
         accepted, bonus = tuple(result.num_accepted.tolist()), tuple(result.bonus.tolist())
         for seq, n in zip(seqs, accepted):
             self.target.commit(seq.seq_id, n + 1)
-        rows = proposals.tolist()
         return Verified(accepted, bonus, _logprobs(seqs, logits, [rows[i][:n] + [b] for i, (n, b)
                                                                    in enumerate(zip(accepted, bonus))]))
 
@@ -167,7 +165,7 @@ def _logprobs(seqs: list[Sequence], logits: torch.Tensor, emitted: list[list[int
 
 
 class TargetLoop:
-    def __init__(self, target: Executor, spec: SpeculativeConfig, max_batch: int, tokenizer=None,
+    def __init__(self, target: Executor, spec: SpeculativeConfig, max_batch: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...] = (), draft: DraftClient | None = None,
                  verifier: Verifier | None = None, lending: CoreLending | None = None):
         if spec.mode is not Mode.AR and draft is None:
@@ -175,7 +173,7 @@ class TargetLoop:
         self.target = target
         self.spec = spec
         self.max_batch = max_batch
-        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len  # prompt + output tokens per sequence, as the user set it
         self.eos_token_ids = tuple(eos_token_ids)
         self.draft = draft if spec.mode is not Mode.AR else None
         # Rounds after prefill; prefill itself always runs on ``target``.
@@ -211,26 +209,35 @@ class TargetLoop:
 
     # --- requests ----------------------------------------------------------------------------
 
-    def add_request(self, prompt: list[int], params: SamplingParams) -> int:
+    def new_sequence(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+        """The record of a request, checked (`FieldError`) and stamped with its arrival; safe
+        to call beside a running loop (it reads only fixed sizes). `add` queues it."""
         self.check_request(prompt, params)
-        seq = Sequence(next(self._ids), list(prompt), params, make_generator(params))
+        seq_id = next(self._ids)
+        return Sequence(seq_id, request_id or f"req-{seq_id}", list(prompt), params, make_generator(params))
+
+    def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def add_request(self, prompt: list[int], params: SamplingParams) -> int:
+        seq = self.new_sequence(prompt, params)
+        self.add(seq)
         return seq.seq_id
 
     def check_request(self, prompt: list[int], params: SamplingParams) -> None:
-        """Raise ValueError if the request cannot be served (so a batch can be checked whole
-        before any of it is queued)."""
+        """Raise `FieldError` if the request cannot be served (so a batch can be checked
+        whole before any of it is queued)."""
         if not prompt:
-            raise ValueError("prompt must contain at least one token")
+            raise FieldError("prompt", "prompt must contain at least one token")
         bad = [t for t in prompt if not 0 <= t < self.target.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.target.vocab_size}); got {bad[:5]}")
-        need = len(prompt) + params.max_tokens + self.spec.k + 1
-        if need > self.target.max_seq_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) + speculation "
-                f"({self.spec.k + 1}) = {need} exceeds max_seq_len {self.target.max_seq_len}"
-            )
+            raise FieldError("prompt", f"prompt token ids must be in [0, {self.target.vocab_size}); got {bad[:5]}")
+        need = len(prompt) + params.max_tokens
+        if need > self.max_model_len:
+            # The prompt is at fault when it leaves no room for a single output token.
+            raise FieldError("prompt" if len(prompt) >= self.max_model_len else "max_tokens",
+                                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {need} exceeds "
+                                 f"max_seq_len {self.max_model_len}: shorten the prompt or lower max_tokens")
         self.verifier.check(params)
 
     def has_unfinished(self) -> bool:
@@ -284,7 +291,6 @@ class TargetLoop:
         logprobs = _logprobs(new, logits[:, None], [[t] for t in first])
         for i, (seq, tok) in enumerate(zip(new, first)):
             self.target.commit(seq.seq_id, len(seq.prompt))
-            seq.first_token_time = time.perf_counter()
             seq.outcome = P.Outcome(seq.seq_id, 0, tok)
             self.running.append(seq)
             self._emit(seq, [tok], outputs, logprobs[i] if logprobs else None)
@@ -402,71 +408,48 @@ class TargetLoop:
 
     def _emit(self, seq: Sequence, tokens: list[int], outputs: list[StepOutput],
               logprobs: list[TokenLogprob] | None = None) -> int:
-        """Append tokens up to the first stop (nothing past a stop is emitted) and stream their
-        text (and logprobs, one per token, when given). Returns how many tokens were kept."""
+        """Append tokens up to the first stop token or max_tokens (nothing past it is emitted),
+        with their logprobs when given. Returns how many tokens were kept."""
         params = seq.params
         new: list[int] = []
-        deltas: list[str] = []
         for tok in tokens:
             new.append(tok)
-            seq.output.append(tok)
-            # One token at a time, so a stop string ends the output at the token that completes
-            # it, however the tokens were grouped into rounds.
-            deltas.append(self._update_text(seq, tok))
-            if seq.finish_reason:  # a stop string
-                break
             if not params.ignore_eos and tok in self.eos_token_ids:
                 seq.finish_reason = "stop"
             elif tok in params.stop_token_ids:
                 seq.finish_reason = "stop"
-            elif len(seq.output) >= params.max_tokens:
+            elif len(seq.output) + len(new) >= params.max_tokens:
                 seq.finish_reason = "length"
             if seq.finish_reason:
-                deltas[-1] += self._finish_text(seq)
                 break
+        seq.output += new
         seq.bonus = seq.output[-1]
+        seq.emit_times.append(time.perf_counter())
         seq.metrics.num_generated_tokens = len(seq.output)
         kept_logprobs = tuple(logprobs[:len(new)]) if logprobs is not None else ()
         seq.logprobs += kept_logprobs
-        outputs.append(StepOutput(seq.seq_id, new, "".join(deltas), seq.finish_reason is not None,
-                                  seq.finish_reason, tuple(deltas), kept_logprobs))
+        outputs.append(StepOutput(seq.seq_id, new, seq.finish_reason is not None, seq.finish_reason, kept_logprobs))
         return len(new)
 
-    def _update_text(self, seq: Sequence, tok: int) -> str:
-        """Text that is safe to stream after one more token; a completed stop string finishes
-        the sequence."""
-        if self.tokenizer is None:
-            return ""
-        if seq.detokenizer is None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.params.stop)
-        delta = seq.detokenizer.add(tok)
-        if seq.detokenizer.stop_string is not None:
-            seq.finish_reason = "stop"
-        return delta
-
-    def _finish_text(self, seq: Sequence) -> str:
-        """The text held back (a possible stop string's start, an incomplete character) of a
-        sequence that ended for another reason."""
-        if seq.detokenizer is None:
-            return ""
-        rest = seq.detokenizer.finish()
-        if seq.detokenizer.stop_string is not None:  # one that needed an incomplete character
-            seq.finish_reason = "stop"
-        return rest
-
     def _retire(self) -> None:
-        still = []
-        for seq in self.running:
-            if seq.finish_reason is None:
-                still.append(seq)
-                continue
-            seq.finish_time = time.perf_counter()
-            self.target.release(seq.seq_id)
-            if seq.on_draft:
-                self._released.append(seq.seq_id)
-            self.metrics.merge(seq.metrics, times=False)  # round times were added once per round
+        done = [s for s in self.running if s.finish_reason is not None]
+        self.running = [s for s in self.running if s.finish_reason is None]
+        for seq in done:
+            self._free(seq)
             self.finished[seq.seq_id] = seq
-        self.running = still
+        if done:
+            self._release_if_idle()
+
+    def _free(self, seq: Sequence) -> None:
+        """A sequence that left the running batch: its target rows go now, the draft's with the
+        next message to the draft; its counts join the loop's."""
+        seq.finish_time = time.perf_counter()
+        self.target.release(seq.seq_id)
+        if seq.on_draft:
+            self._released.append(seq.seq_id)
+        self.metrics.merge(seq.metrics, times=False)  # round times were added once per round
+
+    def _release_if_idle(self) -> None:
         if not self.running and not self.waiting:  # no round's request will carry them soon
             self._release_on_draft()
 
@@ -480,31 +463,35 @@ class TargetLoop:
         return self.finished.pop(seq_id)
 
     def abort(self, seq_id: int) -> Sequence | None:
-        """End a waiting or running request now (its client went away). Its target rows are
-        freed at once; the draft's go with the next message to the draft (the next round's
-        request, or a Release right away when nothing else runs). Call between steps. Returns
-        the sequence (finish_reason "abort"), or None when it is neither waiting nor running."""
+        """End a waiting or running request now (its client went away). Call between steps.
+        Returns the sequence (finish_reason "abort"), or None when it is neither waiting nor
+        running."""
+        return self._end(seq_id, "abort")
+
+    def stop(self, seq_id: int, num_tokens: int) -> Sequence | None:
+        """End a running request whose output a stop string ended after ``num_tokens`` tokens
+        (the output processor found it): what the loop emitted past it is cut. Call between
+        steps. Returns the sequence, or None when it has ended already."""
+        seq = self._end(seq_id, "stop")
+        if seq is not None:
+            del seq.output[num_tokens:]
+            del seq.logprobs[num_tokens:]
+            seq.metrics.num_generated_tokens = len(seq.output)
+        return seq
+
+    def _end(self, seq_id: int, reason: str) -> Sequence | None:
+        """Take a waiting or running sequence out now (`_free`: rows and counts)."""
         seq = next((s for s in self.waiting if s.seq_id == seq_id), None)
         if seq is not None:
             self.waiting.remove(seq)  # never admitted: no rows anywhere
+            seq.finish_time = time.perf_counter()
         else:
             seq = next((s for s in self.running if s.seq_id == seq_id), None)
             if seq is None:
                 return None
             self.running.remove(seq)
-            self.target.release(seq_id)
-            if seq.on_draft:
-                self._released.append(seq_id)
-        seq.finish_reason = "abort"
-        seq.finish_time = time.perf_counter()
-        self.metrics.merge(seq.metrics, times=False)  # its rounds were real work: count them
-        if not self.running and not self.waiting:  # no round's request will carry them soon
-            self._release_on_draft()
+            self._free(seq)
+        seq.finish_reason = reason
+        self._release_if_idle()
         return seq
-
-
-def _verify_layout(bonus: int, proposals: torch.Tensor, committed: int):
-    """[b, s_1..s_K] appended causally at the committed length."""
-    chunk = chain_chunk(-1, [bonus] + proposals.tolist(), committed)
-    return chunk.tokens, chunk.positions, chunk.slots, chunk.mask
 

@@ -14,7 +14,7 @@ import enum
 from dataclasses import dataclass
 
 from trtssd.config import Source
-from trtssd.serving.async_engine import FinishedRequest
+from trtssd.runtime.output_processor import RequestOutput
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -130,7 +130,7 @@ class RequestAdditions:
     observations: tuple[tuple[str, float], ...]  # (histogram key, value), in order
 
 
-def request_additions(record: FinishedRequest) -> RequestAdditions:
+def request_additions(record: RequestOutput) -> RequestAdditions:
     m = record.spec
     increments = {("prompt_tokens", None): record.prompt_tokens, ("generation_tokens", None): record.completion_tokens,
                   ("request_success", record.finish_reason): 1}
@@ -141,7 +141,7 @@ def request_additions(record: FinishedRequest) -> RequestAdditions:
                             observations=_observations(record))
 
 
-def _observations(record: FinishedRequest) -> tuple[tuple[str, float], ...]:
+def _observations(record: RequestOutput) -> tuple[tuple[str, float], ...]:
     m = record.spec
     out = [] if record.ttft_s is None else [("ttft", record.ttft_s)]  # None: aborted before its first token
     out += [("itl", gap) for gap in record.token_gaps_s]

@@ -1,30 +1,48 @@
-"""OpenAI request bodies -> what the engine runs: token ids and SamplingParams, checked field by
-field.
+"""OpenAI request bodies -> what the engine runs: token ids and SamplingParams.
 
-Every field is either supported, accepted only at its neutral value (``n`` = 1, ``echo``
-off, penalties 0, ...: features we do not have are refused, never ignored), or unknown and
-refused. Each refusal is an `ApiError` naming the field and what is allowed; range checks are
-SamplingParams' own messages. JSON null means "not given", as OpenAI clients send it.
+`CompletionRequest` and `ChatCompletionRequest` are pydantic models with one field per OpenAI
+parameter we take: FastAPI checks each body against them, and /openapi.json documents every
+field with its allowed values. A field is supported, or accepted only at the value that turns
+it off (``n`` = 1, ``echo`` false, penalties 0, ...: features we do not have are refused, never
+ignored); any other field is refused. JSON null means "not given", as OpenAI clients send it.
+What a field's type cannot say (one field that needs another, the model's tokenizer) is checked
+in `to_generation_request`, and the prompt + max_tokens length by the engine at submit.
 """
 
 from __future__ import annotations
 
 import enum
 import json
-import re
 from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trtssd.models.tokenizer import chat_prompt_ids, encode_text
-from trtssd.sampling import MAX_LOGPROBS, SamplingParams
+from trtssd.sampling import MAX_LOGPROBS, MIN_TEMPERATURE, SamplingParams
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowedError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+MAX_SEED = 2**63 - 1  # SamplingParams' limit (a torch.Generator seed)
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str  # "BadRequestError", "NotFoundError", ... (ERROR_TYPES)
+    param: Optional[str]  # the request field at fault, as the user spelled it
+    code: int  # the HTTP status
+
+
+class ErrorResponse(BaseModel):
+    """Every error's body, in OpenAI's shape (/openapi.json documents it)."""
+
+    error: ErrorInfo
 
 
 class ApiError(Exception):
-    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+    """An error answered as an `ErrorResponse` with HTTP ``status``."""
 
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
@@ -33,11 +51,12 @@ class ApiError(Exception):
         self.param = param
 
     def body(self) -> dict:
-        kind = ERROR_TYPES.get(self.status, "BadRequestError" if self.status < 500 else "InternalServerError")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
+        error_type = ERROR_TYPES.get(self.status, "BadRequestError" if self.status < 500 else "InternalServerError")
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=error_type, param=self.param,
+                                             code=self.status)).model_dump()
 
 
-class Kind(str, enum.Enum):
+class Endpoint(str, enum.Enum):
     COMPLETION = "completion"  # POST /v1/completions
     CHAT = "chat"  # POST /v1/chat/completions
 
@@ -48,214 +67,222 @@ class ModelInfo:
 
     name: str  # the served model name; a request naming another model gets 404
     tokenizer: object | None  # transformers tokenizer; None = prompts must be token ids
-    max_model_len: int  # prompt + output tokens per request (RuntimeConfig.max_seq_len)
+    max_model_len: int  # prompt + output tokens per request
 
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    kind: Kind
+    endpoint: Endpoint
     prompt: list[int]
     params: SamplingParams
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     return_token_ids: bool  # vLLM's extension: token ids in every choice
+    max_tokens_param: str | None = None  # the output length's field as sent; None: not sent (a default)
+
+    def error_param(self, err: ValueError) -> str:
+        """The request field that an engine `ValueError` (at submit) is about, by the name the user
+        sent: the engine names only its own ``field``, "prompt" or "max_tokens", when it has one."""
+        if getattr(err, "field", None) == "max_tokens" and self.max_tokens_param is not None:
+            return self.max_tokens_param
+        return "messages" if self.endpoint is Endpoint.CHAT else "prompt"
 
 
-# Fields taken as they come (sampling, streaming, bookkeeping).
-_COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-           "ignore_eos", "stream", "stream_options", "user", "return_token_ids")
-_SUPPORTED = {Kind.COMPLETION: _COMMON + ("prompt", "logprobs"),
-              Kind.CHAT: _COMMON + ("messages", "max_completion_tokens", "logprobs", "top_logprobs")}
+# --- the request bodies --------------------------------------------------------------------------
+# Each field's description starts with the values it allows: error messages quote it.
 
-# Fields of features we do not have: accepted only at the value that turns them off.
-_NEUTRAL = {
-    Kind.COMPLETION: {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",),
-                      "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-                      "logit_bias": ({},)},
-    Kind.CHAT: {"n": (1,), "frequency_penalty": (0, 0.0),
-                "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "logit_bias": ({},), "tools": ([],),
-                "tool_choice": ("none",), "response_format": ({"type": "text"},)},
-}
-
-_ROLES = ("system", "developer", "user", "assistant", "tool")
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+OFF = "or null: the feature is not supported, only the value that turns it off is accepted"
 
 
-def parse_json(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ApiError(400, f"the request body is not valid JSON: {err}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, f"the request body must be a JSON object; got {type(body).__name__}")
-    return body
+class _Body(BaseModel):
+    # strict: no coercion ("2" is not 2, 2.0 is not 2, 1 is not true), as the API always answered;
+    # allow_inf_nan: Python's JSON parser reads NaN and Infinity, which no sampling field takes.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        # OpenAI clients send null for a field they were not given: the default applies.
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
-def parse_request(kind: Kind, body: dict, model: ModelInfo) -> GenerationRequest:
-    """Check every field of ``body`` and turn it into a `GenerationRequest` (raises ApiError)."""
-    body = {k: v for k, v in body.items() if v is not None}
-    _check_fields(kind, body)
-    _typed(body, "user", str, "a string")  # an end-user id for the caller's own logs: checked, not used
-    if "model" in body and _typed(body, "model", str, "a string") != model.name:
-        raise ApiError(404, f"The model `{body['model']}` does not exist; this server serves `{model.name}`.", "model")
-    prompt = _chat_prompt(body, model) if kind is Kind.CHAT else _completion_prompt(body, model)
-    stream = _typed(body, "stream", bool, "a boolean", False)
-    include_usage = _stream_options(body, stream)
-    params = _sampling_params(kind, body, prompt, model)
-    _check_length(kind, prompt, params.max_tokens, model)
-    return GenerationRequest(kind, prompt, params, stream, include_usage,
-                             _typed(body, "return_token_ids", bool, "a boolean", False))
+class StreamOptions(_Body):
+    include_usage: Optional[bool] = Field(True, description="a boolean: a last chunk with the usage")
 
 
-def _check_length(kind: Kind, prompt: list[int], max_tokens: int, model: ModelInfo) -> None:
-    total = len(prompt) + max_tokens
-    if total > model.max_model_len:
-        too_long = len(prompt) >= model.max_model_len
-        field = ("messages" if kind is Kind.CHAT else "prompt") if too_long else "max_tokens"
-        raise ApiError(400, f"this model's maximum context length is {model.max_model_len} tokens; the request "
-                            f"asks for {total} ({len(prompt)} in the prompt, {max_tokens} to generate)", field)
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
 
 
-def _check_fields(kind: Kind, body: dict) -> None:
-    supported, neutral = _SUPPORTED[kind], _NEUTRAL[kind]
-    for name, value in body.items():
-        if name in supported:
-            continue
-        if name in neutral:
-            if not any(type(value) is type(ok) and value == ok for ok in neutral[name]):
-                allowed = " or ".join(json.dumps(ok) for ok in neutral[name]) or "null"
-                raise ApiError(400, f"'{name}' is not supported: it must be {allowed} (or absent); "
-                                    f"got {json.dumps(value)}", name)
-            continue
-        raise ApiError(400, f"unknown field '{name}'; supported fields: {', '.join(sorted(supported))}", name)
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart]]
 
 
-def _typed(body: dict, name: str, types, what: str, default=None):
-    """body[name] when it has one of ``types`` (bool is not a number here), else ApiError."""
-    if name not in body:
-        return default
-    value = body[name]
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise ApiError(400, f"'{name}' must be {what}; got {json.dumps(value)}", name)
-    if not isinstance(value, types):
-        raise ApiError(400, f"'{name}' must be {what}; got {json.dumps(value)}", name)
-    return value
+class TextFormat(_Body):
+    type: Literal["text"]
 
 
-def _is_token_ids(value) -> bool:
-    return (isinstance(value, list) and bool(value)
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+class _Common(_Body):
+    """The fields both routes take. Each route's model adds its prompt and the methods
+    `prompt_ids`, `output_length` and `logprobs_count` (SamplingParams.logprobs)."""
+
+    endpoint: ClassVar[Endpoint]
+
+    model: Optional[str] = Field(None, description="a string: the served model's name (GET /v1/models)")
+    temperature: Optional[float] = Field(1.0, ge=0, description=f"0 (greedy) or a number >= {MIN_TEMPERATURE}")
+    top_p: Optional[float] = Field(1.0, gt=0, le=1, description="a number in (0, 1]; 1 = off")
+    top_k: Optional[int] = Field(0, ge=-1, description="an integer >= -1; -1 or 0 = off")
+    min_p: Optional[float] = Field(0.0, ge=0, lt=1, description="a number in [0, 1); 0 = off")
+    seed: Optional[int] = Field(None, ge=0, le=MAX_SEED, description=f"an integer in [0, {MAX_SEED}]")
+    stop: Optional[Union[NonEmptyStr, list[NonEmptyStr]]] = Field(
+        None, description="a non-empty string or a list of them: the text ends before the first one")
+    stop_token_ids: Optional[list[Annotated[int, Field(ge=0)]]] = Field(
+        None, description="a list of token ids (integers >= 0): the output ends after the first one")
+    ignore_eos: Optional[bool] = Field(False, description="a boolean: go on past the end-of-sequence token")
+    stream: Optional[bool] = Field(False, description="a boolean: send the output as Server-Sent Events")
+    stream_options: Optional[StreamOptions] = Field(None, description="an object {include_usage}, with stream: true")
+    user: Optional[str] = Field(None, description="a string: an end-user id for the caller's own logs (unused)")
+    return_token_ids: Optional[bool] = Field(False, description="a boolean: token ids in the answer (vLLM's)")
+    n: Optional[Literal[1]] = Field(None, description=f"1 {OFF}")
+    frequency_penalty: Optional[float] = Field(None, ge=0, le=0, description=f"0 {OFF}")
+    presence_penalty: Optional[float] = Field(None, ge=0, le=0, description=f"0 {OFF}")
+    repetition_penalty: Optional[float] = Field(None, ge=1, le=1, description=f"1 {OFF}")
+    logit_bias: Optional[dict[str, float]] = Field(None, max_length=0, description=f"{{}} {OFF}")
+
+    def to_generation_request(self, model: ModelInfo) -> GenerationRequest:
+        """What the engine runs; ApiError for what the fields' own types cannot check."""
+        if self.model is not None and self.model != model.name:
+            raise ApiError(404, f"The model `{self.model}` does not exist; this server serves `{model.name}`.", "model")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
+        prompt = self.prompt_ids(model)
+        try:
+            params = SamplingParams(
+                max_tokens=self.output_length(prompt, model), temperature=self.temperature, top_p=self.top_p,
+                top_k=max(self.top_k, 0), min_p=self.min_p, seed=self.seed,  # top_k -1 is vLLM's "off", 0 ours
+                stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
+                stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+                logprobs=self.logprobs_count())
+        except ValueError as err:  # a check of SamplingParams' that the fields' types do not make (yet)
+            raise ApiError(400, str(err), getattr(err, "field", None)) from None
+        include_usage = self.stream_options is not None and self.stream_options.include_usage
+        # The engine's length error names "max_tokens": the user may have sent it by another name.
+        sent = [name for name in ("max_completion_tokens", "max_tokens") if name in self.model_fields_set]
+        return GenerationRequest(self.endpoint, prompt, params, self.stream, include_usage, self.return_token_ids,
+                                 sent[0] if sent else None)
 
 
-def _completion_prompt(body: dict, model: ModelInfo) -> list[int]:
-    if "prompt" not in body:
-        raise ApiError(400, "'prompt' is required: a string or a list of token ids", "prompt")
-    prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one: ["text"] or [[ids]]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise ApiError(400, f"'prompt' must be one prompt (a string or a list of token ids); batches of "
-                            f"{len(prompt)} are not supported: send one request per prompt", "prompt")
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ApiError(400, "'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
+class CompletionRequest(_Common):
+    """POST /v1/completions."""
+
+    endpoint: ClassVar[Endpoint] = Endpoint.COMPLETION
+
+    prompt: Union[NonEmptyStr, TokenIds, Annotated[list[NonEmptyStr], Field(min_length=1, max_length=1)],
+                  Annotated[list[TokenIds], Field(min_length=1, max_length=1)]] = Field(
+        description="a non-empty string or a non-empty list of token ids, or a batch of one of those "
+                    "(larger batches are not supported: send one request per prompt)")
+    max_tokens: Optional[int] = Field(COMPLETION_DEFAULT_MAX_TOKENS, ge=1, description="an integer >= 1")
+    logprobs: Optional[int] = Field(
+        None, ge=0, le=MAX_LOGPROBS, description=f"an integer in [0, {MAX_LOGPROBS}]: alternatives per token")
+    echo: Optional[Literal[False]] = Field(None, description=f"false {OFF}")
+    suffix: Optional[Literal[""]] = Field(None, description=f'"" {OFF}')
+    best_of: Optional[Literal[1]] = Field(None, description=f"1 {OFF}")
+
+    def prompt_ids(self, model: ModelInfo) -> list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one: ["text"] or [[ids]]
+        if isinstance(prompt, list):
+            return list(prompt)
         if model.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send 'prompt' as a list of token ids", "prompt")
         return encode_text(model.tokenizer, prompt)
-    if not _is_token_ids(prompt):
-        raise ApiError(400, "'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
-    return list(prompt)
+
+    def output_length(self, prompt: list[int], model: ModelInfo) -> int:
+        return self.max_tokens
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
 
-def _chat_prompt(body: dict, model: ModelInfo) -> list[int]:
-    if "messages" not in body:
-        raise ApiError(400, "'messages' is required: a list of {'role', 'content'} objects", "messages")
-    messages = body["messages"]
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list of {'role', 'content'} objects", "messages")
-    plain = [_message(i, m) for i, m in enumerate(messages)]
-    if model.tokenizer is None or not getattr(model.tokenizer, "chat_template", None):
-        raise ApiError(400, "this model has no chat template: use /v1/completions", "messages")
-    try:
-        return chat_prompt_ids(model.tokenizer, plain)
-    except Exception as err:  # noqa: BLE001 - the template's own complaint (e.g. role order) is the message
-        raise ApiError(400, f"the chat template rejected 'messages': {err}", "messages") from None
+class ChatCompletionRequest(_Common):
+    """POST /v1/chat/completions."""
+
+    endpoint: ClassVar[Endpoint] = Endpoint.CHAT
+
+    messages: list[Message] = Field(
+        min_length=1, description="a non-empty list of {role, content} objects: role is system, developer, user, "
+        "assistant or tool; content a string or a list of {type: 'text', text} parts (only text is supported)")
+    max_tokens: Optional[int] = Field(None, ge=1, description="an integer >= 1; default: what the context leaves")
+    max_completion_tokens: Optional[int] = Field(
+        None, ge=1, description="an integer >= 1: max_tokens by its newer name, which wins over it")
+    logprobs: Optional[bool] = Field(False, description="a boolean: each output token's logprob")
+    top_logprobs: Optional[int] = Field(
+        None, ge=0, le=MAX_LOGPROBS, description=f"an integer in [0, {MAX_LOGPROBS}], with logprobs: true")
+    tools: Optional[list[Any]] = Field(None, max_length=0, description=f"[] {OFF}")
+    tool_choice: Optional[Literal["none"]] = Field(None, description=f'"none" {OFF}')
+    response_format: Optional[TextFormat] = Field(None, description=f'{{"type": "text"}} {OFF}')
+
+    def prompt_ids(self, model: ModelInfo) -> list[int]:
+        plain = [{"role": m.role, "content": m.content if isinstance(m.content, str)
+                  else "".join(part.text for part in m.content)} for m in self.messages]
+        if model.tokenizer is None or not getattr(model.tokenizer, "chat_template", None):
+            raise ApiError(400, "this model has no chat template: use /v1/completions", "messages")
+        try:
+            return chat_prompt_ids(model.tokenizer, plain)
+        except Exception as err:  # noqa: BLE001 - the template's own complaint (e.g. role order) is the message
+            raise ApiError(400, f"the chat template rejected 'messages': {err}", "messages") from None
+
+    def output_length(self, prompt: list[int], model: ModelInfo) -> int:
+        # OpenAI's chat default: as many as the context leaves; at least 1, so that messages that
+        # leave none are refused by the engine's length check, which names them.
+        return self.max_completion_tokens or self.max_tokens or max(1, model.max_model_len - len(prompt))
+
+    def logprobs_count(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+            return None
+        return self.top_logprobs or 0
 
 
-def _message(i: int, message) -> dict:
-    """One message as {'role', 'content': str}; content parts must be text."""
-    where = f"messages[{i}]"
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise ApiError(400, f"'{where}' must be an object with a 'role' string and a 'content'", "messages")
-    if message["role"] not in _ROLES:
-        raise ApiError(400, f"'{where}.role' must be one of {', '.join(_ROLES)}; got {json.dumps(message['role'])}",
-                       "messages")
-    content = message.get("content")
-    if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise ApiError(400, f"'{where}.content' parts must be {{'type': 'text', 'text': ...}}: only text is "
-                                "supported", "messages")
-        content = "".join(p["text"] for p in content)
-    if not isinstance(content, str):
-        raise ApiError(400, f"'{where}.content' must be a string or a list of text parts", "messages")
-    return {"role": message["role"], "content": content}
+# --- validation errors in OpenAI's shape ----------------------------------------------------------
+
+def _show(value: Any, limit: int = 200) -> str:
+    text = json.dumps(value, ensure_ascii=False, default=repr)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _stream_options(body: dict, stream: bool) -> bool:
-    options = _typed(body, "stream_options", dict, "an object")
-    if options is None:
-        return False
-    if not stream:
-        raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
-    unknown = set(options) - {"include_usage"}
-    if unknown:
-        raise ApiError(400, f"unknown 'stream_options' field(s) {sorted(unknown)}; supported: include_usage",
-                       "stream_options")
-    return _typed(options, "include_usage", bool, "a boolean", True)  # default True when the object is given
+def _path(loc: tuple) -> str:
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
 
 
-def _logprobs(kind: Kind, body: dict) -> int | None:
-    """SamplingParams.logprobs from OpenAI's fields: a completion's ``logprobs`` is the number of
-    alternatives per token; a chat's ``logprobs`` turns them on and ``top_logprobs`` counts them."""
-    if kind is Kind.COMPLETION:
-        return _typed(body, "logprobs", int, "an integer")  # its range: SamplingParams' message
-    top = _typed(body, "top_logprobs", int, "an integer")
-    if top is not None and not 0 <= top <= MAX_LOGPROBS:
-        raise ApiError(400, f"'top_logprobs' must be an integer in [0, {MAX_LOGPROBS}]; got {top}", "top_logprobs")
-    if not _typed(body, "logprobs", bool, "a boolean", False):
-        if top:
-            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        return None
-    return top or 0
-
-
-def _sampling_params(kind: Kind, body: dict, prompt: list[int], model: ModelInfo) -> SamplingParams:
-    number = (int, float)
-    max_tokens = _typed(body, "max_tokens", int, "an integer")
-    if kind is Kind.CHAT:
-        max_tokens = _typed(body, "max_completion_tokens", int, "an integer", max_tokens)
-        if max_tokens is None:  # OpenAI's chat default: as many as the context leaves
-            max_tokens = model.max_model_len - len(prompt)
-            if max_tokens < 1:
-                raise ApiError(400, f"the messages take {len(prompt)} tokens: no room for output within "
-                                    f"max_seq_len {model.max_model_len}", "messages")
-    elif max_tokens is None:
-        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
-    top_k = _typed(body, "top_k", int, "an integer", 0)
-    stop = _typed(body, "stop", (str, list), "a string or a list of strings", ())
-    options = dict(
-        max_tokens=max_tokens,
-        temperature=_typed(body, "temperature", number, "a number", 1.0),
-        top_p=_typed(body, "top_p", number, "a number", 1.0),
-        top_k=0 if top_k == -1 else top_k,  # -1 is vLLM's "off", 0 ours
-        min_p=_typed(body, "min_p", number, "a number", 0.0),
-        seed=_typed(body, "seed", int, "an integer"),
-        stop=(stop,) if isinstance(stop, str) else tuple(stop),
-        stop_token_ids=tuple(_typed(body, "stop_token_ids", list, "a list of integers", ())),
-        ignore_eos=_typed(body, "ignore_eos", bool, "a boolean", False),
-        logprobs=_logprobs(kind, body),
-    )
-    try:
-        return SamplingParams(**options)
-    except ValueError as err:  # the range, from SamplingParams itself: "SamplingParams.top_p must be ..."
-        field = re.match(r"SamplingParams\.(\w+)", str(err))
-        raise ApiError(400, str(err), field.group(1) if field else None) from None
+def validation_error(errors: list[dict], body: Any, model: type[BaseModel] | None) -> ApiError:
+    """FastAPI's RequestValidationError of a JSON body -> one 400 that names the first bad field
+    (``param``) as the user spelled it, and what it allows (the field's description)."""
+    first = errors[0]
+    loc = tuple(first["loc"][1:]) if first["loc"][:1] == ("body",) else tuple(first["loc"])
+    if first["type"] == "json_invalid":
+        return ApiError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error')} "
+                             f"(at character {loc[0] if loc else 0})")
+    if not loc or model is None:
+        got = ("nothing" if first["type"] == "missing" else "a body that is not JSON" if isinstance(body, bytes)
+               else _show(body))
+        return ApiError(400, f"the request body must be a JSON object, sent as Content-Type: application/json; "
+                             f"got {got}")
+    param = str(loc[0])
+    if first["type"] == "extra_forbidden":
+        supported = f"; supported fields: {', '.join(sorted(model.model_fields))}" if len(loc) == 1 else ""
+        return ApiError(400, f"unknown field '{_path(loc)}'{supported}", param)
+    description = model.model_fields[param].description
+    if first["type"] == "missing" and len(loc) == 1:
+        return ApiError(400, f"'{param}' is required: {description}", param)
+    if len(loc) == 1 or sum(e["loc"][1:2] == (param,) for e in errors) > 1:
+        # The field itself, a union's alternatives (each has its error) or several of its items:
+        # say what the field takes.
+        return ApiError(400, f"'{param}' must be {description}; got {_show(body[param])}", param)
+    return ApiError(400, f"'{_path(loc)}': {first['msg']}; got {_show(first['input'])}", param)

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from trtssd.sampling import TokenLogprob
-from trtssd.serving.async_engine import FinishedRequest
-from trtssd.serving.openai_requests import GenerationRequest, Kind
+from trtssd.runtime.output_processor import RequestOutput
+from trtssd.serving.openai_requests import GenerationRequest, Endpoint
 
 DONE = "data: [DONE]\n\n"
 
@@ -34,15 +34,15 @@ class ResponseHeader:
     id: str
     created: int
     model: str
-    kind: Kind
+    endpoint: Endpoint
 
     @classmethod
-    def new(cls, kind: Kind, model: str) -> "ResponseHeader":
-        prefix = "chatcmpl" if kind is Kind.CHAT else "cmpl"
-        return cls(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model, kind)
+    def new(cls, endpoint: Endpoint, model: str) -> "ResponseHeader":
+        prefix = "chatcmpl" if endpoint is Endpoint.CHAT else "cmpl"
+        return cls(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model, endpoint)
 
     def fields(self, chunk: bool) -> dict:
-        if self.kind is Kind.CHAT:
+        if self.endpoint is Endpoint.CHAT:
             obj = "chat.completion.chunk" if chunk else "chat.completion"
         else:
             obj = "text_completion"
@@ -53,13 +53,13 @@ class Logprobs:
     """One request's logprobs in its API's shape, chunk after chunk (a completion's
     ``text_offset`` runs on across a stream). ``token_text`` decodes one token id."""
 
-    def __init__(self, kind: Kind, token_text: Callable[[int], str]):
-        self.kind = kind
+    def __init__(self, endpoint: Endpoint, token_text: Callable[[int], str]):
+        self.endpoint = endpoint
         self.token_text = token_text
         self.offset = 0  # characters of token text before the next token (text_offset)
 
     def payload(self, entries: Sequence[TokenLogprob]) -> dict:
-        if self.kind is Kind.CHAT:
+        if self.endpoint is Endpoint.CHAT:
             return {"content": [{**self._chat_item(e.token_id, e.logprob),
                                  "top_logprobs": [self._chat_item(t, lp) for t, lp in e.top]} for e in entries]}
         tokens = [self.token_text(e.token_id) for e in entries]
@@ -81,11 +81,11 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def full_response(header: ResponseHeader, req: GenerationRequest, final: FinishedRequest,
+def full_response(header: ResponseHeader, req: GenerationRequest, final: RequestOutput,
                   logprobs: Logprobs | None = None) -> dict:
     """The non-streaming answer (``logprobs``: when the request asked for them)."""
     lp = None if logprobs is None else logprobs.payload(final.logprobs)
-    if header.kind is Kind.CHAT:
+    if header.endpoint is Endpoint.CHAT:
         choice = {"index": 0, "message": {"role": "assistant", "content": final.text}, "logprobs": lp,
                   "finish_reason": final.finish_reason}
     else:
@@ -102,7 +102,7 @@ def chunk(header: ResponseHeader, req: GenerationRequest, text: str, token_ids=N
           role: bool = False, logprobs: dict | None = None) -> dict:
     """One streamed choice: new tokens' text (and ids and logprobs when asked for), or the finish
     reason alone."""
-    if header.kind is Kind.CHAT:
+    if header.endpoint is Endpoint.CHAT:
         closing = finish_reason is not None and not text
         delta = {"role": "assistant", "content": text} if role else ({} if closing else {"content": text})
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -116,5 +116,5 @@ def chunk(header: ResponseHeader, req: GenerationRequest, text: str, token_ids=N
     return out
 
 
-def usage_chunk(header: ResponseHeader, final: FinishedRequest) -> dict:
+def usage_chunk(header: ResponseHeader, final: RequestOutput) -> dict:
     return {**header.fields(chunk=True), "choices": [], "usage": final.usage}

@@ -1,11 +1,12 @@
-"""The OpenAI-compatible HTTP API over one `LLM`: FastAPI routes on the always-on engine.
+"""The OpenAI-compatible HTTP API over one `LLM`: FastAPI routes on its `AsyncLLM`.
 
     POST /v1/completions        prompt (text or token ids) -> text; SSE with "stream": true
     POST /v1/chat/completions   messages, through the tokenizer's chat template
     GET  /v1/models             the served model
-    GET  /health                200 while the engine serves (a lost draft included: it decodes
+    GET  /health                200 while the loop serves (a lost draft included: it decodes
                                 in ar mode), 503 once it is dead
     GET  /metrics               Prometheus text format
+    GET  /openapi.json          every route, request body field (allowed values) and error shape
 
 Errors are OpenAI's {"error": {"message", "type", "param", "code"}} with the HTTP status in
 ``code``. With an API key, every /v1 route wants ``Authorization: Bearer <key>``.
@@ -18,93 +19,97 @@ import hmac
 import logging
 import time
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from trtssd.config import Mode
 from trtssd.llm import LLM
-from trtssd.serving.async_engine import DEFAULT_MAX_WAITING, AsyncEngine, EngineDead, Overloaded, RequestStream
-from trtssd.serving.openai_requests import ApiError, GenerationRequest, Kind, ModelInfo, parse_json, parse_request
+from trtssd.serving.async_llm import DEFAULT_MAX_WAITING, AsyncLLM, LoopStopped, Overloaded, RequestStream
+from trtssd.serving.openai_requests import (ApiError, ChatCompletionRequest, CompletionRequest, ErrorResponse,
+                                           GenerationRequest, Endpoint, ModelInfo, validation_error)
 from trtssd.serving.openai_responses import DONE, Logprobs, ResponseHeader, chunk, full_response, sse, usage_chunk
 from trtssd.serving.prometheus_metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 
 
 class OpenAIServer:
-    """One served model: the engine thread, its metrics and the FastAPI app (``.app``).
+    """One served model: its `AsyncLLM` (the loop thread), its metrics and the FastAPI app (``.app``).
 
     The caller owns ``llm`` (and closes it after `close`)."""
 
     def __init__(self, llm: LLM, model_name: str, api_key: str | None = None,
                  max_waiting: int = DEFAULT_MAX_WAITING):
         self.llm = llm
-        self.model = ModelInfo(model_name, llm.tokenizer, llm.runtime.max_seq_len)
+        self.model = ModelInfo(model_name, llm.tokenizer, llm.max_model_len)
         self.api_key = api_key
         self.metrics = ServerMetrics(model_name, llm.spec.k)
-        self.engine = AsyncEngine(llm.loop, max_waiting, on_finished=self.metrics.observe,
-                                  cores=llm.runtime.target_cores)
-        self.metrics.track(self.engine)
+        self.async_llm = AsyncLLM(llm, max_waiting, on_finished=self.metrics.observe)
+        self.metrics.track(self.async_llm)
         self.created = int(time.time())
         self.app = self._build_app()
 
     def start(self) -> "OpenAIServer":
-        """Start the engine thread, on the target's cores; the calling thread, which serves HTTP
+        """Start the loop thread, on the target's cores; the calling thread, which serves HTTP
         (or starts the thread that does), leaves them."""
-        self.engine.start()
-        self.llm.leave_target_cores()
+        self.async_llm.start()
         return self
 
     def close(self) -> None:
-        self.engine.shutdown()
+        self.async_llm.shutdown()
 
     def _build_app(self) -> FastAPI:
-        app = FastAPI(title="trtssd", description="OpenAI-compatible server for speculative speculative decoding")
-        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
-        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
-        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        # strict_content_type=False: a body sent without a Content-Type is still read as JSON.
+        app = FastAPI(title="trtssd", description="OpenAI-compatible server for speculative speculative decoding",
+                      strict_content_type=False)
+        # The key is checked before the body is (a dependency runs first), so a caller without it
+        # learns nothing about the API but that it needs one. Documenting the errors ("4XX")
+        # also keeps FastAPI from documenting its own 422, which this server never sends.
+        v1 = {"dependencies": [Depends(self._authorize)],
+              "responses": {"4XX": {"model": ErrorResponse}, "5XX": {"model": ErrorResponse}}}
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"], **v1)
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"], **v1)
+        app.add_api_route("/v1/models", self.models, methods=["GET"], **v1)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.prometheus, methods=["GET"])
         app.add_exception_handler(ApiError, _api_error)
+        app.add_exception_handler(RequestValidationError, _validation_error)
         app.add_exception_handler(StarletteHTTPException, _http_error)  # 404/405 in the same shape
         app.add_exception_handler(Exception, _internal_error)
         return app
 
     # --- routes ----------------------------------------------------------------------------------
 
-    async def completions(self, request: Request) -> Response:
-        return await self._generate(request, Kind.COMPLETION)
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        return await self._generate(body, request)
 
-    async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, Kind.CHAT)
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        return await self._generate(body, request)
 
-    async def models(self, request: Request) -> Response:
-        self._authorize(request)
+    async def models(self) -> Response:
         card = {"id": self.model.name, "object": "model", "created": self.created, "owned_by": "trtssd",
                 "root": self.model.name, "parent": None, "max_model_len": self.model.max_model_len, "permission": []}
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(self) -> Response:
-        if not self.engine.alive:
-            return _error_response(ApiError(503, f"the engine is dead: {self.engine.failure}"))
-        loop = self.engine.loop
-        draft = "none" if loop.spec.mode is Mode.AR else ("alive" if loop.speculating else "lost")
-        return JSONResponse({"status": "ok", "mode": loop.spec.mode.value, "draft": draft})
+        if not self.async_llm.alive:
+            return _error_response(ApiError(503, f"the serving loop stopped: {self.async_llm.failure}"))
+        return JSONResponse({"status": "ok", "mode": self.llm.spec.mode.value, "draft": self.llm.draft_state})
 
     async def prometheus(self) -> Response:
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
 
     # --- generation ------------------------------------------------------------------------------
 
-    async def _generate(self, request: Request, kind: Kind) -> Response:
-        self._authorize(request)
-        req = parse_request(kind, parse_json(await request.body()), self.model)
+    async def _generate(self, body: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
+        req = body.to_generation_request(self.model)
         stream = self._submit(req)
-        header = ResponseHeader.new(kind, self.model.name)
-        logprobs = None if req.params.logprobs is None else Logprobs(kind, self._token_text)
+        header = ResponseHeader.new(req.endpoint, self.model.name)
+        logprobs = None if req.params.logprobs is None else Logprobs(req.endpoint, self._token_text)
         if req.stream:
             return StreamingResponse(self._events(stream, req, header, logprobs), media_type="text/event-stream")
         final = await self._collect(stream, request)
@@ -117,10 +122,10 @@ class OpenAIServer:
 
     def _submit(self, req: GenerationRequest) -> RequestStream:
         try:
-            return self.engine.submit(req.prompt, req.params)
+            return self.async_llm.submit(req.prompt, req.params)
         except ValueError as err:  # the loop's own checks: prompt length, token id range
-            raise ApiError(400, str(err), "messages" if req.kind is Kind.CHAT else "prompt") from None
-        except (Overloaded, EngineDead) as err:
+            raise ApiError(400, str(err), req.error_param(err)) from None
+        except (Overloaded, LoopStopped) as err:
             raise ApiError(503, str(err)) from None
 
     async def _events(self, stream: RequestStream, req: GenerationRequest, header: ResponseHeader,
@@ -128,7 +133,7 @@ class OpenAIServer:
         """The SSE body. A client that goes away cancels this generator: the request is aborted
         and its rows freed before the next round."""
         try:
-            if req.kind is Kind.CHAT:
+            if req.endpoint is Endpoint.CHAT:
                 yield sse(chunk(header, req, "", role=True))
             async for delta in stream:
                 # Every step's new tokens go out at once, as vLLM streams them, even when their text
@@ -139,7 +144,7 @@ class OpenAIServer:
             yield sse(chunk(header, req, "", finish_reason=stream.final.finish_reason))
             if req.include_usage:
                 yield sse(usage_chunk(header, stream.final))
-        except EngineDead as err:
+        except LoopStopped as err:
             yield sse(ApiError(503, str(err)).body())
         finally:
             stream.abort()  # a no-op once finished
@@ -155,14 +160,14 @@ class OpenAIServer:
                     log.info("client of %s went away: aborting it", stream.request_id)
                     stream.abort()
             return task.result()
-        except EngineDead as err:
+        except LoopStopped as err:
             raise ApiError(503, str(err)) from None
         finally:
             if not task.done():  # this handler was cancelled (server shutting down)
                 task.cancel()
                 stream.abort()
 
-    def _authorize(self, request: Request) -> None:
+    async def _authorize(self, request: Request) -> None:
         if self.api_key is None:
             return
         given = request.headers.get("authorization", "")
@@ -179,7 +184,13 @@ async def _api_error(_request, err: ApiError) -> JSONResponse:
     return _error_response(err)
 
 
+async def _validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
+    return _error_response(validation_error(err.errors(), err.body, BODIES.get(request.url.path)))
+
+
 async def _http_error(_request, err: StarletteHTTPException) -> JSONResponse:
+    if isinstance(err.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body", from a body not UTF-8
+        return _error_response(ApiError(400, f"the request body is not valid JSON: {err.__cause__}"))
     return _error_response(ApiError(err.status_code, str(err.detail)))
 
 

@@ -2,7 +2,7 @@
 prometheus_client, served at ``/metrics`` by `trtssd serve`.
 
 Everything is counted from the final records of the requests the server actually served (each
-request's own `SpecMetrics`), once per request, when it ends; gauges are read from the engine at
+request's own `SpecMetrics`), once per request, when it ends; gauges are read from the `AsyncLLM` at
 scrape time. Each server has its own `CollectorRegistry`, so several servers in one process do not
 clash.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from trtssd.config import Mode
-from trtssd.serving.async_engine import AsyncEngine, FinishedRequest
+from trtssd.runtime.output_processor import RequestOutput
+from trtssd.serving.async_llm import AsyncLLM
 from trtssd.serving.metric_catalog import (ENGINE_INDEX, LABELS, METRICS, Kind, MetricDef, request_additions,
                                            series_from_start)
 
@@ -37,15 +37,14 @@ class ServerMetrics:
         for key, value in series_from_start(k):
             self._counter(key, value)
 
-    def track(self, engine: AsyncEngine) -> None:
-        """Read the gauges from ``engine`` at each scrape."""
-        speculative = engine.loop.spec.mode is not Mode.AR
-        self._series["num_running"].set_function(lambda: engine.num_running)
-        self._series["num_waiting"].set_function(lambda: engine.num_waiting)
-        self._series["draft_degraded"].set_function(lambda: float(speculative and not engine.loop.speculating))
+    def track(self, async_llm: AsyncLLM) -> None:
+        """Read the gauges from ``async_llm`` at each scrape."""
+        self._series["num_running"].set_function(lambda: async_llm.num_running)
+        self._series["num_waiting"].set_function(lambda: async_llm.num_waiting)
+        self._series["draft_degraded"].set_function(lambda: float(async_llm.llm.draft_state == "lost"))
 
-    def observe(self, record: FinishedRequest) -> None:
-        """Count one finished request (called by the engine thread as it ends)."""
+    def observe(self, record: RequestOutput) -> None:
+        """Count one finished request (called on its event loop as its record is made)."""
         additions = request_additions(record)
         for (key, value), amount in additions.increments.items():
             self._counter(key, value).inc(amount)

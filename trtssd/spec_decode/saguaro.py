@@ -81,7 +81,8 @@ def select_forks_batched(
 
     glue_probs: [N, K+1, V] the draft's processed distribution q (not q') from the glue decode;
                 row j is the distribution of the bonus if exactly j proposals are accepted.
-                Only its order counts: a greedy row may pass its logits.
+                Only its order counts: a greedy row may pass its logits. K = 0: guesses of
+                the token after the prompt (no speculation yet).
     proposals:  [N, K] the speculation the glue decode ran over.
     fanout:     [K+1] or [N, K+1] ints >= 0.
 
@@ -104,8 +105,8 @@ def select_forks_batched(
     if bool((fanout < 0).any()) or bool((fanout > limit).any()):
         raise ValueError(f"fanout F_j must be in [0, V-1={vocab - 1}] for j < K and [0, V={vocab}] "
                          f"for j = K, got {fanout.tolist()}")
-    # One more than the widest fan-out, since a row may have to skip its excluded proposal.
-    order = top_tokens(glue_probs, (int(fanout.max()) if fanout.numel() else 0) + 1)  # [N, K+1, m]
+    # One more than the widest fan-out where a row may have to skip its excluded proposal.
+    order = top_tokens(glue_probs, (int(fanout.max()) if fanout.numel() else 0) + (1 if k_max else 0))
     # Push the excluded proposal (depth j < K) to the end of its row's order, keeping the rest.
     excluded = torch.zeros_like(order, dtype=torch.bool)
     excluded[:, :k_max] = order[:, :k_max] == proposals[..., None]

@@ -1,16 +1,16 @@
-"""The Triton model: trtssd's always-on engine behind Triton's decoupled Python-backend API.
+"""The Triton model: trtssd's `AsyncLLM` behind Triton's decoupled Python-backend API.
 
 The model's process (Triton's Python stub) is the target rank: it builds an `LLM`, which starts
-the draft rank as its own MPI job, and serves the LLM's target loop through an `AsyncEngine`
+the draft rank as its own MPI job, and serves the LLM's target loop through an `AsyncLLM`
 (its own thread; requests join the running batch between rounds). Triton calls ``execute`` with
 new requests; each is parsed at once (its tensors are only valid during the call) and handed to
 a coroutine on this model's asyncio thread, so ``execute`` returns immediately and requests
 from any number of calls run together: continuous batching across Triton requests.
 
 Each request gets exactly one FINAL response: its last output, or an error (INVALID_ARG for a
-bad request, UNAVAILABLE when the engine is full or gone, CANCELLED when the client cancelled or
+bad request, UNAVAILABLE when the server is full or stopped, CANCELLED when the client cancelled or
 went away). Cancellation is polled (``response_sender.is_cancelled()``) after every round of the
-request and every `CANCEL_POLL_S` while it waits; a cancelled request is aborted in the engine,
+request and every `CANCEL_POLL_S` while it waits; a cancelled request is aborted in the loop,
 which frees its rows on both ranks.
 """
 
@@ -26,9 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trtssd.config import Mode
 from trtssd.llm import LLM
-from trtssd.serving.async_engine import AsyncEngine, EngineDead, FinishedRequest, Overloaded, RequestStream
+from trtssd.serving.async_llm import AsyncLLM, LoopStopped, Overloaded, RequestStream
 from trtssd.triton.metrics import TritonMetrics
 from trtssd.triton.model_options import ModelOptions
 from trtssd.triton.tensors import INPUTS
@@ -43,7 +42,7 @@ FINALIZE_WAIT_S = 30.0  # how long unloading lets open requests send their last 
 
 @dataclass
 class _Open:
-    """A request the engine is serving."""
+    """A request being served."""
 
     stream: RequestStream
     sender: object  # pb_utils.InferenceResponseSender
@@ -63,14 +62,13 @@ class TritonModel:
         try:
             self.metrics = TritonMetrics(pb_utils, self.name, self.llm.spec.k)
             self.events = asyncio.new_event_loop()
-            self.engine = AsyncEngine(self.llm.loop, options.max_waiting, on_finished=self._finished,
-                                      cores=self.llm.runtime.target_cores)
-            self.llm.leave_target_cores()  # the response thread below must not share the target's core
+            # Started first: it moves this thread off the target's cores, and with it the
+            # response thread started from here (where requests' text work runs).
+            self.async_llm = AsyncLLM(self.llm, options.max_waiting, on_finished=self.metrics.observe).start()
             self._open: dict[str, _Open] = {}
             self._tasks: set[concurrent.futures.Future] = set()
             self._thread = threading.Thread(target=self.events.run_forever, name="trtssd-triton", daemon=True)
             self._thread.start()
-            self.engine.start()
             self._watcher = asyncio.run_coroutine_threadsafe(self._watch(), self.events)
         except BaseException:
             self.llm.close()
@@ -91,10 +89,10 @@ class TritonModel:
         return None  # decoupled: every response goes through its sender
 
     def finalize(self) -> None:
-        """Stop the engine (open requests get UNAVAILABLE), then the draft rank and shared memory."""
+        """Stop the loop (open requests get UNAVAILABLE), then the draft rank and shared memory."""
         try:
             self._watcher.cancel()
-            self.engine.shutdown()
+            self.async_llm.shutdown()
             concurrent.futures.wait(list(self._tasks), timeout=FINALIZE_WAIT_S)
             self.events.call_soon_threadsafe(self.events.stop)
             self._thread.join(FINALIZE_WAIT_S)
@@ -108,17 +106,17 @@ class TritonModel:
 
     async def _serve(self, job: GenerateRequest, sender) -> None:
         try:
-            stream = self.engine.submit(job.prompt_ids, job.params)
+            stream = self.async_llm.submit(job.prompt_ids, job.params)
         except ValueError as err:  # the loop's own checks: prompt + max_tokens within max_seq_len
             self._send_error(sender, str(err), self.pb.TritonError.INVALID_ARG)
             return
-        except (Overloaded, EngineDead) as err:
+        except (Overloaded, LoopStopped) as err:
             self._send_error(sender, str(err), self.pb.TritonError.UNAVAILABLE)
             return
         request = self._open[stream.request_id] = _Open(stream, sender)
         try:
             await self._respond(job, request)
-        except EngineDead as err:
+        except LoopStopped as err:
             self._send_error(sender, str(err), self.pb.TritonError.UNAVAILABLE)
         finally:
             del self._open[stream.request_id]
@@ -151,14 +149,13 @@ class TritonModel:
         request.stream.abort()  # its final record (finish reason "abort") ends _respond
 
     async def _watch(self) -> None:
-        """Between rounds: cancellation of every open request, and the engine's gauges."""
-        speculative = self.llm.spec.mode is not Mode.AR
+        """Between rounds: cancellation of every open request, and the loop's gauges."""
         while True:
             try:
                 for request in list(self._open.values()):
                     self._check_cancelled(request)
-                self.metrics.set_gauges(self.engine.num_running, self.engine.num_waiting,
-                                        speculative and not self.llm.loop.speculating)
+                self.metrics.set_gauges(self.async_llm.num_running, self.async_llm.num_waiting,
+                                        self.llm.draft_state == "lost")
             except Exception:  # noqa: BLE001 - the watch must outlive one bad poll
                 log.exception("polling cancellations failed")
             await asyncio.sleep(CANCEL_POLL_S)
@@ -191,10 +188,6 @@ class TritonModel:
         if not task.cancelled() and task.exception() is not None:
             log.error("request handling failed", exc_info=task.exception())
 
-    def _finished(self, record: FinishedRequest) -> None:
-        """From the engine's thread: count the request on the asyncio thread (each metric update
-        is a message to the server, which the engine's rounds should not wait for)."""
-        self.events.call_soon_threadsafe(self.metrics.observe, record)
 
 
 def _inputs(pb_utils, request) -> dict[str, np.ndarray]:

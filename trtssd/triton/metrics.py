@@ -6,7 +6,7 @@ the families of trtssd/serving/metric_catalog.py, which `trtssd serve`'s ``/metr
 
 from __future__ import annotations
 
-from trtssd.serving.async_engine import FinishedRequest
+from trtssd.runtime.output_processor import RequestOutput
 from trtssd.serving.metric_catalog import ENGINE_INDEX, LABELS, METRICS, request_additions, series_from_start
 
 
@@ -33,7 +33,7 @@ class TritonMetrics:
         for key, value in series_from_start(k):
             self._counter(key, value)
 
-    def observe(self, record: FinishedRequest) -> None:
+    def observe(self, record: RequestOutput) -> None:
         """Count one finished request."""
         additions = request_additions(record)
         for (key, value), amount in additions.increments.items():

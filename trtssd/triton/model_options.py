@@ -9,7 +9,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from trtssd.serving.async_engine import DEFAULT_MAX_WAITING
+from trtssd.serving.async_llm import DEFAULT_MAX_WAITING
 
 OPTIONS_FILE = "model.json"
 

@@ -32,11 +32,12 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from trtssd.runtime.processes import descendants, mapped_segments, start_time
+from trtssd.runtime.processes import ProcessTree
 
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 60.0  # SIGTERM -> exit; Triton itself waits up to 30 s for open requests (--exit-timeout-secs)
+LEFTOVER_GRACE_S = 10.0  # the draft rank exits by itself once the model's process is gone; give it a moment
 SHM_PREFIXES = ("trtssd-", "mpich_shm_", "triton_python_backend_shm_region_")
 
 
@@ -115,10 +116,12 @@ class TritonServer:
         self.host = host
         self.log_path = Path(log_path) if log_path is not None else None
         self.extra_args = tuple(extra_args)
-        self.process: subprocess.Popen | None = None
+        self._tree: ProcessTree | None = None
         self._workdir: Path | None = None
-        self._started: dict[int, float] = {}  # pid -> start time of every process the server started
-        self._segments: set[str] = set()  # shared memory those processes mapped
+
+    @property
+    def process(self) -> subprocess.Popen | None:
+        return self._tree.process if self._tree is not None else None
 
     @property
     def http_url(self) -> str:
@@ -139,9 +142,8 @@ class TritonServer:
         ]
         output = open(self.log_path, "ab") if self.log_path is not None else None
         try:
-            self.process = subprocess.Popen(command, env={**os.environ, "LD_LIBRARY_PATH": install.library_path()},
-                                            stdin=subprocess.DEVNULL, stdout=output, stderr=output,
-                                            start_new_session=True)
+            self._tree = ProcessTree(command, env={**os.environ, "LD_LIBRARY_PATH": install.library_path()},
+                                     stdout=output, stderr=output, shm_prefixes=SHM_PREFIXES)
         finally:
             if output is not None:
                 output.close()
@@ -150,7 +152,7 @@ class TritonServer:
         return self
 
     def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        return self._tree is not None and self._tree.running()
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
         """Wait until every model is loaded (GET /v2/health/ready); raise if the server exits first."""
@@ -172,55 +174,25 @@ class TritonServer:
     def record(self) -> None:
         """Note the processes the server started and the shared memory they map (call while it runs;
         `stop` does too)."""
-        if not self.running():
-            return
-        for pid in descendants(self.process.pid):
-            start = start_time(pid)
-            if start is not None:
-                self._started.setdefault(pid, start)
-                self._segments |= mapped_segments(pid, SHM_PREFIXES)
+        if self._tree is not None:
+            self._tree.record()
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
         """SIGTERM, wait, SIGKILL if need be; then end and remove whatever it left (idempotent).
         Returns the server's exit code."""
-        if self.process is None:
+        if self._tree is None:
             return None
-        self.record()
-        if self.running():
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                log.warning("tritonserver did not stop within %.0f s: killing it", timeout_s)
-                self.process.kill()
-                self.process.wait()
-        self._end_leftovers()
+        code = self._tree.stop(timeout_s)
+        # A clean stop leaves nothing: whatever is left is worth a warning.
+        leftovers = self._tree.end(LEFTOVER_GRACE_S)
+        for pid in leftovers.killed:
+            log.warning("process %d started by tritonserver outlived it: killed it", pid)
+        for path in leftovers.removed:
+            log.warning("removed shared memory %s left by the server's processes", path)
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
-        return self.process.returncode
-
-    def _end_leftovers(self) -> None:
-        # The draft rank exits by itself once the model's process is gone; give it a moment.
-        deadline = time.monotonic() + 10.0
-        while self._alive() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        for pid in self._alive():
-            log.warning("process %d started by tritonserver outlived it: killing it", pid)
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for name in sorted(self._segments):
-            try:
-                os.unlink(f"/dev/shm/{name}")
-                log.warning("removed shared memory /dev/shm/%s left by the server's processes", name)
-            except FileNotFoundError:
-                pass
-        self._segments.clear()
-
-    def _alive(self) -> list[int]:
-        return [pid for pid, start in self._started.items() if start_time(pid) == start]
+        return code
 
     def _log_tail(self, lines: int = 40) -> str:
         if self.log_path is None or not self.log_path.exists():

@@ -1,46 +1,37 @@
-"""The always-on engine without HTTP: TargetLoop.abort, AsyncEngine streams, aborts, the bounded
+"""AsyncLLM without HTTP: TargetLoop.abort, AsyncLLM streams, aborts, the bounded
 queue, a dying loop, and Prometheus counters against the requests served (tiny models, the draft
 in this process)."""
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 
-from tiny_models import make_tiny_llama
 from trtssd import LLM, ModelRef, SamplingParams
-from trtssd.serving.async_engine import AsyncEngine, EngineDead, Overloaded
+from trtssd.serving.async_llm import AsyncLLM, LoopStopped, Overloaded
 from trtssd.serving.prometheus_metrics import ServerMetrics
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10] * 12, [3, 1, 4, 1, 5, 9, 2, 6], [42], [5, 6] * 5]
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("engine")
-    target = make_tiny_llama(root / "target", seed=0)
-    return target, make_tiny_llama(root / "draft", seed=1, base=target, noise=0.05)
-
-
-def _llm(tiny, mode: str = "ssd", **kw) -> LLM:
+def _llm(tiny_pair, mode: str = "ssd", **kw) -> LLM:
     kw.setdefault("max_seq_len", 256)
-    return LLM(target=ModelRef(str(tiny[0])), draft=ModelRef(str(tiny[1])), mode=mode, launch="local",
+    return LLM(target=ModelRef(str(tiny_pair[0])), draft=ModelRef(str(tiny_pair[1])), mode=mode, launch="local",
                plain_under_load=False, **kw)
 
 
 @pytest.fixture(scope="module")
-def reference(tiny) -> list[list[int]]:
-    with _llm(tiny, "ar") as llm:
+def reference(tiny_pair) -> list[list[int]]:
+    with _llm(tiny_pair, "ar") as llm:
         return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
 # --- TargetLoop.abort ----------------------------------------------------------------------------
 
-def test_abort_frees_waiting_and_running_requests_on_both_ranks(tiny, reference):
-    with _llm(tiny, max_batch=2) as llm:
+def test_abort_frees_waiting_and_running_requests_on_both_ranks(tiny_pair, reference):
+    with _llm(tiny_pair, max_batch=2) as llm:
         loop, worker = llm.loop, llm.loop.draft.server.worker
         ids = [loop.add_request(p, SamplingParams(temperature=0, max_tokens=60)) for p in PROMPTS[:3]]
         loop.step()  # admits two (prefill), the third waits
@@ -62,8 +53,8 @@ def test_abort_frees_waiting_and_running_requests_on_both_ranks(tiny, reference)
         assert not worker.seqs  # nothing left anywhere: the last Release went out when idle
 
 
-def test_abort_when_nothing_else_runs_releases_the_draft_at_once(tiny):
-    with _llm(tiny) as llm:
+def test_abort_when_nothing_else_runs_releases_the_draft_at_once(tiny_pair):
+    with _llm(tiny_pair) as llm:
         loop = llm.loop
         seq_id = loop.add_request(PROMPTS[0], GREEDY)
         loop.step()
@@ -73,7 +64,7 @@ def test_abort_when_nothing_else_runs_releases_the_draft_at_once(tiny):
         assert not loop.draft.server.worker.seqs and not loop.has_unfinished()
 
 
-# --- AsyncEngine ---------------------------------------------------------------------------------
+# --- AsyncLLM ---------------------------------------------------------------------------------
 
 async def _collect(stream) -> tuple[list[int], object]:
     tokens = []
@@ -82,20 +73,20 @@ async def _collect(stream) -> tuple[list[int], object]:
     return tokens, stream.final
 
 
-def test_requests_join_a_running_engine_and_stream_exact_output(tiny, reference):
+def test_requests_join_a_running_loop_and_stream_exact_output(tiny_pair, reference):
     records = []
-    with _llm(tiny, max_batch=2) as llm:
-        engine = AsyncEngine(llm.loop, on_finished=records.append).start()
+    with _llm(tiny_pair, max_batch=2) as llm:
+        served = AsyncLLM(llm, on_finished=records.append).start()
 
         async def main():
-            first = engine.submit(PROMPTS[0], GREEDY)
-            await asyncio.sleep(0.05)  # the engine is busy with the first when the rest arrive
-            rest = [engine.submit(p, GREEDY) for p in PROMPTS[1:]]
+            first = served.submit(PROMPTS[0], GREEDY)
+            await asyncio.sleep(0.05)  # the loop is busy with the first when the rest arrive
+            rest = [served.submit(p, GREEDY) for p in PROMPTS[1:]]
             return await asyncio.gather(*(_collect(s) for s in [first] + rest))
 
         results = asyncio.run(main())
-        engine.shutdown()
-        assert not engine.alive and not llm.loop.has_unfinished()
+        served.shutdown()
+        assert not served.alive and not llm.loop.has_unfinished()
     for (tokens, final), ref in zip(results, reference):
         assert tokens == list(final.token_ids) == ref
         assert final.finish_reason == "length" and final.usage["completion_tokens"] == len(ref)
@@ -103,12 +94,12 @@ def test_requests_join_a_running_engine_and_stream_exact_output(tiny, reference)
     assert sorted(r.request_id for r in records) == sorted(f.request_id for _, f in results)
 
 
-def test_an_aborted_stream_ends_with_abort_and_frees_its_rows(tiny):
-    with _llm(tiny) as llm:
-        engine = AsyncEngine(llm.loop).start()
+def test_an_aborted_stream_ends_with_abort_and_frees_its_rows(tiny_pair):
+    with _llm(tiny_pair) as llm:
+        served = AsyncLLM(llm).start()
 
         async def main():
-            stream = engine.submit(PROMPTS[0], SamplingParams(temperature=0, max_tokens=200))
+            stream = served.submit(PROMPTS[0], SamplingParams(temperature=0, max_tokens=200))
             seen = 0
             async for delta in stream:
                 seen += len(delta.token_ids)
@@ -117,32 +108,32 @@ def test_an_aborted_stream_ends_with_abort_and_frees_its_rows(tiny):
             return stream.final
 
         final = asyncio.run(main())
-        engine.shutdown()
+        served.shutdown()
         assert final.finish_reason == "abort" and 3 <= final.completion_tokens < 200
         assert not llm.loop.running and not llm.loop.draft.server.worker.seqs
 
 
-def test_a_full_queue_is_refused_as_overloaded(tiny):
-    with _llm(tiny, max_batch=1) as llm:
-        engine = AsyncEngine(llm.loop, max_waiting=1).start()
+def test_a_full_queue_is_refused_as_overloaded(tiny_pair):
+    with _llm(tiny_pair, max_batch=1) as llm:
+        served = AsyncLLM(llm, max_waiting=1).start()
 
         async def main():
             long = SamplingParams(temperature=0, max_tokens=150)
-            streams = [engine.submit(PROMPTS[0], long), engine.submit(PROMPTS[1], long)]
+            streams = [served.submit(PROMPTS[0], long), served.submit(PROMPTS[1], long)]
             with pytest.raises(Overloaded, match="max_batch 1 running \\+ max_waiting 1 queued"):
-                engine.submit(PROMPTS[2], long)
+                served.submit(PROMPTS[2], long)
             for s in streams:
                 s.abort()
             await asyncio.gather(*(s.result() for s in streams))
-            return await engine.submit(PROMPTS[2], SamplingParams(temperature=0, max_tokens=3)).result()
+            return await served.submit(PROMPTS[2], SamplingParams(temperature=0, max_tokens=3)).result()
 
         assert asyncio.run(main()).completion_tokens == 3  # room again once the others left
-        engine.shutdown()
+        served.shutdown()
 
 
-def test_a_failing_loop_fails_every_pending_request_and_refuses_new_ones(tiny):
-    with _llm(tiny, max_batch=2) as llm:
-        engine = AsyncEngine(llm.loop).start()
+def test_a_failing_loop_fails_every_pending_request_and_refuses_new_ones(tiny_pair):
+    with _llm(tiny_pair, max_batch=2) as llm:
+        served = AsyncLLM(llm).start()
         step, calls = llm.loop.step, []
 
         def failing():
@@ -154,20 +145,20 @@ def test_a_failing_loop_fails_every_pending_request_and_refuses_new_ones(tiny):
         llm.loop.step = failing
 
         async def main():
-            streams = [engine.submit(p, SamplingParams(temperature=0, max_tokens=100)) for p in PROMPTS[:3]]
+            streams = [served.submit(p, SamplingParams(temperature=0, max_tokens=100)) for p in PROMPTS[:3]]
             for s in streams:
-                with pytest.raises(EngineDead, match="injected loop failure"):
+                with pytest.raises(LoopStopped, match="injected loop failure"):
                     await s.result()
-            with pytest.raises(EngineDead, match="injected loop failure"):
-                engine.submit(PROMPTS[0], GREEDY)
+            with pytest.raises(LoopStopped, match="injected loop failure"):
+                served.submit(PROMPTS[0], GREEDY)
 
         asyncio.run(main())
-        assert not engine.alive and "injected loop failure" in engine.failure
+        assert not served.alive and "injected loop failure" in served.failure
 
 
-def test_prometheus_counters_equal_the_served_requests(tiny):
+def test_prometheus_counters_equal_the_served_requests(tiny_pair):
     """Counted once per finished request, from its own SpecMetrics."""
-    with _llm(tiny, max_batch=3) as llm:
+    with _llm(tiny_pair, max_batch=3) as llm:
         metrics = ServerMetrics("tiny", k=llm.spec.k)
         records = []
 
@@ -175,17 +166,17 @@ def test_prometheus_counters_equal_the_served_requests(tiny):
             records.append(record)
             metrics.observe(record)
 
-        engine = AsyncEngine(llm.loop, on_finished=observe).start()
-        metrics.track(engine)
+        served = AsyncLLM(llm, on_finished=observe).start()
+        metrics.track(served)
         params = [GREEDY, SamplingParams(temperature=0.8, seed=3, max_tokens=17),
                   SamplingParams(temperature=0, max_tokens=9, stop_token_ids=(7,))]
 
         async def main():
-            streams = [engine.submit(p, sp) for p, sp in zip(PROMPTS[:3] * 2, params * 2)]
+            streams = [served.submit(p, sp) for p, sp in zip(PROMPTS[:3] * 2, params * 2)]
             await asyncio.gather(*(s.result() for s in streams))
 
         asyncio.run(main())
-        engine.shutdown()
+        served.shutdown()
         value = _sample_reader(metrics)
         assert value("vllm:num_requests_running") == value("vllm:num_requests_waiting") == 0
         assert value("trtssd:draft_degraded") == 0

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Serving before and after text work (detokenization, stop strings, stream deltas) moved off the
+# target's cores into the output processor: `trtssd serve` on the default ggml engine in its
+# default mode, at concurrency 1, 2, 4, 8 and 16 (greedy, --ignore-eos, 16 prompts x 64 tokens),
+# the old commit and the current tree alternated (old, new, new, old) in one run so that drift of
+# the machine falls on both. Each server gets 30 s after it answers /health before it is measured.
+#   bash docs/bench/serve-text-off-target-cores/run.sh [OLD_COMMIT]   (default: af005ee)
+# The old commit runs from a git worktree with this checkout's virtualenv. Writes before-1,
+# after-1, after-2, before-2 and compare.md beside itself; run on a quiet machine.
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+root=$PWD
+here=docs/bench/serve-text-off-target-cores
+old=${1:-af005ee}
+PORT=18452
+worktree=$(mktemp -d /tmp/trtssd-before.XXXXXX)
+pid=""
+stop() { if [[ -n "$pid" ]]; then kill -INT "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; pid=""; fi; }
+cleanup() { stop; git worktree remove --force "$worktree" 2>/dev/null || true; git worktree prune; }
+trap cleanup EXIT
+git worktree add --detach "$worktree" "$old" >/dev/null
+.venv/bin/trtssd build --backend ggml >/dev/null
+engine=$root/engines/smollm2-135m-ggml
+run() {  # label, source tree
+  local label=$1 tree=$2
+  (cd "$tree" && PYTHONPATH=$tree exec "$root/.venv/bin/python" -m trtssd.cli serve --port "$PORT" \
+     --engine "$engine" --max-batch 16) >"$here/$label.log" 2>&1 &
+  pid=$!
+  until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do kill -0 "$pid"; sleep 1; done
+  sleep 30
+  .venv/bin/trtssd bench serve --ignore-eos --label "$label" --out "$here/$label" \
+    --base-url "http://127.0.0.1:$PORT" --concurrency 1,2,4,8,16 --num-prompts 16 --max-tokens 64
+  stop
+}
+run before-1 "$worktree"
+run after-1 "$root"
+run after-2 "$root"
+run before-2 "$worktree"
+.venv/bin/trtssd bench serve --compare "$here/before-1" "$here/after-1" "$here/after-2" "$here/before-2" --out "$here"

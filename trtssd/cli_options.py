@@ -1,0 +1,107 @@
+"""Command-line options made from the config dataclasses: one option per field of
+SpeculativeConfig and RuntimeConfig (trtssd/config.py), named after the field (``max_seq_len`` ->
+``--max-seq-len``), typed by it and helped by its ``help`` metadata. Every command that starts an
+engine declares them through `add_engine_options` and reads them back with `engine_options`, so a
+new field reaches all of them at once and no two can drift apart."""
+
+from __future__ import annotations
+
+import argparse
+import collections.abc
+import dataclasses
+import enum
+import functools
+import types
+import typing
+from typing import Any, Callable
+
+from trtssd.config import RuntimeConfig, SpeculativeConfig, speculative_config
+
+# Each config's options in a group of their own, titled for `--help`.
+ENGINE_CONFIGS = {
+    SpeculativeConfig: "speculation (unset: the engine's tuned value, else the default shown)",
+    RuntimeConfig: "process layout and capacity",
+}
+ENGINE_FIELDS = tuple(f.name for cls in ENGINE_CONFIGS for f in dataclasses.fields(cls))
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_engine_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One option per config field, except those in ``skip`` (a command that sets them itself).
+    Every default is None, so `engine_options` can tell what was given from what was not."""
+    for cls, title in ENGINE_CONFIGS.items():
+        group = parser.add_argument_group(title)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name not in skip:
+                group.add_argument(flag(f.name), dest=f.name, default=None, help=_help(f), **_kind(f, hints[f.name]))
+    # Which they are, for engine_options: a skipped name may be the command's own option (bench's --k).
+    parser.set_defaults(engine_fields=tuple(name for name in ENGINE_FIELDS if name not in skip))
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """Which models run: an engine directory, or model files."""
+    parser.add_argument("--engine", default=None, help="engine directory (default: the embedded SmolLM2 engine)")
+    parser.add_argument("--target", default=None, help="instead of --engine: the target model, a Hugging Face "
+                        "directory or .gguf file")
+    parser.add_argument("--draft", default=None, help="with --target: the draft model (default: the target itself)")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options given, as keywords of trtssd.LLM (those not given keep LLM's defaults),
+    checked as LLM will check them, so that a bad value is said before anything loads and names
+    its option."""
+    given = {name: getattr(args, name) for name in args.engine_fields if getattr(args, name) is not None}
+    spec = {name: value for name, value in given.items() if name in SpeculativeConfig.__dataclass_fields__}
+    try:
+        speculative_config(spec)
+        RuntimeConfig(**{name: value for name, value in given.items() if name not in spec})
+    except ValueError as err:
+        # The configs' messages start with the field they are about.
+        name = str(err).split(" ", 1)[0]
+        raise ValueError(f"argument {flag(name)}: {err}" if name in ENGINE_FIELDS else str(err)) from None
+    return given
+
+
+def _help(f: dataclasses.Field) -> str:
+    default = f.default.value if isinstance(f.default, enum.Enum) else f.default
+    if isinstance(default, bool):
+        default = "on" if default else "off"
+    shown = "" if default is None else f" (default: {default})"
+    return (f.metadata["help"] + shown).replace("%", "%%")  # argparse formats help with %
+
+
+def _kind(f: dataclasses.Field, hint: Any) -> dict[str, Any]:
+    """How argparse takes a field's value: its add_argument keywords."""
+    if hint is bool:
+        return {"action": argparse.BooleanOptionalAction}  # --plain-under-load / --no-plain-under-load
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return {"choices": [member.value for member in hint]}
+    if hint in (int, float):
+        return {"type": hint}
+    members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if any(_is_int_sequence(m) for m in members):
+        # Comma-separated ints; a field that is also a string (fanout) takes its default word too.
+        return {"type": _int_list(f.default if str in members else None)}
+    return {"choices": f.metadata.get("choices")}
+
+
+def _is_int_sequence(hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    return origin in (tuple, collections.abc.Sequence) and typing.get_args(hint)[0] is int
+
+
+@functools.cache  # one parser per word: every command's option takes the very same one
+def _int_list(word: str | None) -> Callable[[str], str | tuple[int, ...]]:
+    def parse(text: str) -> str | tuple[int, ...]:
+        if text == word:
+            return text
+        try:
+            return tuple(int(x) for x in text.split(","))
+        except ValueError:
+            expected = f"{word!r} or comma-separated integers" if word else "comma-separated integers"
+            raise argparse.ArgumentTypeError(f"expected {expected}; got {text!r}") from None
+    return parse

@@ -1,0 +1,276 @@
+"""`AsyncLLM`: an `LLM` served from a thread of its own, the always-on target loop, requests joining and leaving between
+rounds, each with an asyncio stream of deltas and a final record.
+
+The loop thread owns the `TargetLoop` (nothing else touches it while serving) and deals in token
+ids only. Requests, aborts, stops and the shutdown signal reach it through one thread-safe FIFO
+queue, applied between steps, so a request joins the running batch at the next step (continuous
+batching up to ``max_batch``) and an abort frees its rows before the next round. Each step's
+outputs go to the event loop of their request's stream (``call_soon_threadsafe``), where the
+output processor turns them into text: detokenization and stop strings never take the target's
+cores. A failure of the loop itself stops serving: every pending request gets `LoopStopped` and
+new ones are refused, so no client waits forever. A lost draft is not a failure: the loop decodes
+in ar mode and serving goes on.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+from trtssd.llm import LLM
+from trtssd.runtime.affinity import pin_thread
+from trtssd.runtime.output_processor import Delta, OutputText, RequestOutput, request_output
+from trtssd.runtime.target_loop import Sequence, StepOutput
+from trtssd.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_WAITING = 256  # requests queued beyond the running batch before new ones are refused
+
+
+class LoopStopped(RuntimeError):
+    """The loop thread failed or stopped: the request cannot be (or was not) completed."""
+
+
+class Overloaded(RuntimeError):
+    """The waiting queue is full: retry later."""
+
+
+class RequestStream:
+    """The client side of one request: ``async for delta in stream`` yields `Delta`s; once the
+    iteration ends, ``stream.final`` is the `RequestOutput`. Raises `LoopStopped` if the loop
+    stops first. ``abort()`` ends the request early (its final record says "abort").
+
+    Its output processing runs here, on the event loop that made it: the loop thread hands it
+    each step's `StepOutput` and, at the end, the finished `Sequence`."""
+
+    def __init__(self, seq: Sequence, server: "AsyncLLM", loop: asyncio.AbstractEventLoop):
+        self.request_id = seq.request_id
+        self.final: RequestOutput | None = None
+        self._seq_id = seq.seq_id
+        self._server = server
+        self._loop = loop
+        self._text = OutputText(server.tokenizer, seq.params.stop)
+        self._items: asyncio.Queue = asyncio.Queue()
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self.final is not None:
+            raise StopAsyncIteration
+        item = await self._items.get()
+        if isinstance(item, RequestOutput):
+            self.final = item
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def result(self) -> RequestOutput:
+        """Wait for the whole output."""
+        async for _ in self:
+            pass
+        return self.final
+
+    @property
+    def done(self) -> bool:
+        return self.final is not None
+
+    def abort(self) -> None:
+        if self.final is None:
+            self._server._commands.put(_Abort(self._seq_id))
+
+    # --- from the loop thread ------------------------------------------------------------------
+
+    def _call(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    # --- on the event loop: the output processor ------------------------------------------------
+
+    def _on_output(self, out: StepOutput) -> None:
+        delta = self._text.add(out)
+        if delta is None:
+            return  # past a stop string: the loop is being told
+        if delta.stop_at is not None:
+            self._server._commands.put(_StopAt(self._seq_id, delta.stop_at))
+        self._items.put_nowait(delta)
+
+    def _on_finished(self, seq: Sequence) -> None:
+        record = request_output(seq, self._text)
+        self._server._finished(record)
+        self._items.put_nowait(record)
+
+    def _on_failure(self, err: BaseException) -> None:
+        self._items.put_nowait(err)
+
+
+@dataclass(frozen=True)
+class _Add:
+    seq: Sequence
+    stream: RequestStream
+
+
+@dataclass(frozen=True)
+class _Abort:
+    seq_id: int
+
+
+@dataclass(frozen=True)
+class _StopAt:
+    """A stop string ended the sequence's output after ``num_tokens`` tokens."""
+
+    seq_id: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class _Shutdown:
+    pass
+
+
+class AsyncLLM:
+    """Serves an `LLM`'s target loop from a thread of its own.
+
+    max_waiting: requests accepted beyond the ``max_batch`` running ones; past that, `submit`
+        raises `Overloaded`.
+    on_finished: called on the request's event loop with every `RequestOutput` (metrics); it
+        must be quick and must not raise.
+    The loop thread pins itself to the target's cores (``RuntimeConfig.target_cores``); `start`
+    moves the calling thread, which serves the clients, off them.
+    """
+
+    def __init__(self, llm: LLM, max_waiting: int = DEFAULT_MAX_WAITING, on_finished=None):
+        if not isinstance(max_waiting, int) or max_waiting < 0:
+            raise ValueError(f"max_waiting must be an int >= 0; got {max_waiting!r}")
+        self.llm = llm
+        self.loop = llm.hand_over()
+        self.tokenizer = llm.tokenizer
+        self.max_waiting = max_waiting
+        self.on_finished = on_finished
+        self.failure: str | None = None  # why the loop stopped; None while it serves
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _streams and the dead/alive switch with submit
+        self._streams: dict[int, RequestStream] = {}  # accepted and not finished: running + waiting
+        self._thread = threading.Thread(target=self._run, name="trtssd-loop", daemon=True)
+        self._started = False
+        self._pinned = threading.Event()  # set once the loop thread is on its cores
+
+    # --- the clients' side -----------------------------------------------------------------------
+
+    def start(self) -> "AsyncLLM":
+        if not self._started:
+            self._started = True
+            self._thread.start()
+            self._pinned.wait()
+            self.llm.leave_target_cores()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.failure is None and self._thread.is_alive()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.loop.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Accepted but not running yet (queued here or in the loop's waiting list)."""
+        return max(0, len(self._streams) - len(self.loop.running))
+
+    def submit(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
+        """Queue a request; call from a running asyncio event loop. Raises `FieldError` (a
+        ValueError naming the field) for a request the loop cannot serve, `Overloaded` when the
+        queue is full, `LoopStopped`."""
+        seq = self.loop.new_sequence(prompt, params, request_id)
+        stream = RequestStream(seq, self, asyncio.get_running_loop())
+        with self._lock:
+            if not self.alive:
+                raise LoopStopped(self.failure or "the serving loop is not running")
+            limit = self.loop.max_batch + self.max_waiting
+            if len(self._streams) >= limit:
+                raise Overloaded(f"server overloaded: {len(self._streams)} requests in flight, the limit is {limit} "
+                                 f"(max_batch {self.loop.max_batch} running + max_waiting {self.max_waiting} "
+                                 "queued); retry later")
+            self._streams[seq.seq_id] = stream
+            self._commands.put(_Add(seq, stream))
+        return stream
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the loop thread; requests still pending get `LoopStopped`."""
+        if self._started and self._thread.is_alive():
+            self._commands.put(_Shutdown())
+            self._thread.join(timeout_s)
+
+    def _finished(self, record: RequestOutput) -> None:
+        """On the request's event loop, once its record is made."""
+        if self.on_finished is not None:
+            try:
+                self.on_finished(record)
+            except Exception:  # noqa: BLE001 - metrics must never take serving down
+                log.exception("on_finished callback failed")
+
+    # --- the loop thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        pin_thread("loop thread", self.llm.runtime.target_cores)
+        self._pinned.set()
+        try:
+            while self._apply_commands(block=not self.loop.has_unfinished()):
+                if self.loop.has_unfinished():
+                    self._deliver(self.loop.step())
+            self._die("the server was shut down")
+        except BaseException as err:  # noqa: BLE001 - any failure here must reach every client
+            log.exception("serving loop failed")
+            self._die(f"serving loop failed: {type(err).__name__}: {err}")
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one when idle). False once told to shut down."""
+        try:
+            command = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(command, _Shutdown):
+                return False
+            if isinstance(command, _Add):
+                self.loop.add(command.seq)
+            elif isinstance(command, _Abort):
+                self._ended(self.loop.abort(command.seq_id))
+            else:
+                self._ended(self.loop.stop(command.seq_id, command.num_tokens))
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            self._streams[out.seq_id]._call(self._streams[out.seq_id]._on_output, out)
+            if out.finished:
+                self._ended(self.loop.pop_finished(out.seq_id))
+
+    def _ended(self, seq: Sequence | None) -> None:
+        """Hand a sequence the loop has finished to its stream (None: it had ended already)."""
+        if seq is None:
+            return
+        with self._lock:
+            stream = self._streams.pop(seq.seq_id)
+        stream._call(stream._on_finished, seq)
+
+    def _die(self, reason: str) -> None:
+        """Refuse new requests, then fail every request not finished."""
+        with self._lock:
+            self.failure = reason
+            pending = list(self._streams.values())
+            self._streams.clear()
+        for stream in pending:
+            stream._call(stream._on_failure, LoopStopped(reason))
+        if pending:
+            log.warning("%s: failed %d pending request(s)", reason, len(pending))

@@ -71,9 +71,9 @@ def test_auto_fanout_prices_the_tree_by_tree_steps(model_dir):
     worker.costs.observe("verify_s", 0.37)
     worker.forward_costs.calibrate(chain)
     worker.tree_costs.calibrate(chain)
-    cheap_tree = worker._choose_tree_width(1)
+    cheap_tree = worker._choose_tree_budget(1)
     worker.tree_costs.calibrate({1: 0.057, 2: 0.073, 4: 0.085, 8: 0.133, 16: 0.230})  # measured on the Qwen draft
-    dear_tree = worker._choose_tree_width(1)
+    dear_tree = worker._choose_tree_budget(1)
     assert dear_tree < cheap_tree
     # Tree steps feed the tree's costs only: the chain curve still prices the glue and backups.
     before = worker.forward_costs.scale

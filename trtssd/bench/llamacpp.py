@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trtssd.runtime.processes import ProcessTree
+
 log = logging.getLogger(__name__)
 
 LLAMACPP_VERSION = "0.3.36"  # llama-cpp-python's version; keys the build folder (scripts/setup_llamacpp.sh)
@@ -121,7 +123,7 @@ class LlamaServer:
         self.binary = binary or find_llama_server()
         if self.binary is None:
             raise LlamaServerError("llama-server not found: run scripts/setup_llamacpp.sh (or set TRTSSD_LLAMA_SERVER)")
-        self.proc: subprocess.Popen | None = None
+        self.tree: ProcessTree | None = None
         self.port: int | None = None
         self._log_file = None
 
@@ -131,7 +133,7 @@ class LlamaServer:
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
+        return self.tree.process.pid if self.tree is not None else None
 
     def __enter__(self) -> "LlamaServer":
         self.start()
@@ -148,11 +150,10 @@ class LlamaServer:
             self._log_file = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=False)
             cmd = self.options.command(self.binary, self.port)
             log.info("starting %s", " ".join(cmd))
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log_file,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.tree = ProcessTree(cmd, stdout=self._log_file, stderr=subprocess.STDOUT)
             try:
                 self._wait_healthy()
-                log.info("llama-server pid %d ready at %s", self.proc.pid, self.url)
+                log.info("llama-server pid %d ready at %s", self.pid, self.url)
                 return
             except LlamaServerError:
                 tail = self.log_tail()
@@ -164,8 +165,8 @@ class LlamaServer:
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.options.start_timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise LlamaServerError(f"llama-server exited with {self.proc.returncode} while starting:\n"
+            if not self.tree.running():
+                raise LlamaServerError(f"llama-server exited with {self.tree.process.returncode} while starting:\n"
                                        f"{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
@@ -187,15 +188,10 @@ class LlamaServer:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """End the process: SIGTERM (it finishes its slots and exits), then SIGKILL."""
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                log.warning("llama-server pid %d ignored SIGTERM; killing it", proc.pid)
-                proc.kill()
-                proc.wait(timeout=timeout_s)
+        tree, self.tree = self.tree, None
+        if tree is not None:
+            tree.stop(timeout_s)
+            tree.end()
         if self._log_file is not None:
             self._log_file.close()
             Path(self._log_file.name).unlink(missing_ok=True)
@@ -206,7 +202,7 @@ class LlamaServer:
         return self._post("/completion", body, timeout_s)
 
     def _post(self, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        if self.proc is None:
+        if self.tree is None:
             raise LlamaServerError("llama-server is not running")
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})

@@ -17,7 +17,7 @@ is deterministic and marked as a point mass, so the target's verification is exa
 Seeded requests: the draft draws its uniforms from a counter-based stream keyed by (seed, round,
 outcome): the tree branch for outcome (k, b) of round r and a just-in-time draft answering that
 outcome draw the same numbers. Such rows sample from the plain draft distribution (Saguaro's skew
-depends on the live tree width) and a miss is always answered by the neural backup, so a seeded
+depends on the live tree budget) and a miss is always answered by the neural backup, so a seeded
 request's proposals, and with them its output, do not depend on timing, batch or cache hits.
 """
 
@@ -47,9 +47,9 @@ from trtssd.spec_decode.tree import TreeLayout, append_chunk
 log = logging.getLogger(__name__)
 
 NO_SCALING = -1  # a fan-out of -1 leaves a row's q unscaled in saguaro_probs
-# Rounds a tree width chosen by the speedup model is kept: its inputs are running averages that
+# Rounds a tree budget chosen by the speedup model is kept: its inputs are running averages that
 # move slowly, and the search costs milliseconds a round the draft would otherwise wait out.
-WIDTH_REFRESH_ROUNDS = 8
+BUDGET_REFRESH_ROUNDS = 8
 
 
 @dataclass
@@ -110,7 +110,7 @@ class DraftWorker:
         self.calibrated_step_s: dict[int, float] | None = None  # chain forward seconds by rows, once calibrated
         self._answered: list[int] = []  # sequences of the last answer, to pre-speculate for
         self._first: dict[int, torch.Tensor] = {}  # new sequences' prompt logits [V], until their first tree
-        self._widths: dict[int, tuple[int, int]] = {}  # batch size -> (tree width, rounds left)
+        self._budgets: dict[int, tuple[int, int]] = {}  # batch size -> (tree budget, rounds left)
 
     def calibrate(self, context: int = 128, max_rows: int = 64) -> dict[int, float]:
         """Time draft chain forwards of 1, 2, 4, ... rows and tree steps of as many branches on a
@@ -182,8 +182,8 @@ class DraftWorker:
             return 0
         t0 = time.perf_counter()
         glue_logits = self._glue(seqs)
-        width = self._tree_width(len(seqs))
-        layouts = self._fork(seqs, glue_logits, [self._fanout(s, width) for s in seqs])
+        budget = self._tree_budget(len(seqs))
+        layouts = self._fork(seqs, glue_logits, [self._fanout(s, budget) for s in seqs])
         drafts, step_logits = self._tree(seqs, layouts)
         self._populate(seqs, layouts, drafts, step_logits)
         self.costs.observe("prespec_s", time.perf_counter() - t0)
@@ -199,10 +199,10 @@ class DraftWorker:
         if not seqs:
             return 0
         prompt_logits = torch.stack([first[s.seq_id] for s in seqs])[:, None, :]  # one row: depth 0
-        width = self._tree_width(len(seqs))
-        layouts = self._fork(seqs, prompt_logits, [[width] + [0] * self.k for _ in seqs], glued=False)
+        budget = self._tree_budget(len(seqs))
+        layouts = self._fork(seqs, prompt_logits, [[budget] + [0] * self.k for _ in seqs], glued=False)
         # Saguaro skews a token by the fan-out that will be cached after it: a regular tree's.
-        drafts, step_logits = self._tree(seqs, layouts, [self._fanout(s, width) for s in seqs])
+        drafts, step_logits = self._tree(seqs, layouts, [self._fanout(s, budget) for s in seqs])
         self._populate(seqs, layouts, drafts, step_logits)
         return len(seqs)
 
@@ -321,7 +321,7 @@ class DraftWorker:
 
     def _saguaro_fanout(self, seq: DraftSequence, fanout: int) -> int:
         """F for Saguaro's scaling of this row, or NO_SCALING. sd drafts from the plain q (it has
-        no cache); seeded rows too (the skew would follow the live tree width); with no fork
+        no cache); seeded rows too (the skew would follow the live tree budget); with no fork
         cached at this depth, lowering q's top token buys no hit and only costs acceptance."""
         if self.spec.mode is Mode.SD or seq.seeded or fanout <= 0:
             return NO_SCALING
@@ -341,17 +341,17 @@ class DraftWorker:
 
     # --- pre-speculation (SSD) ---------------------------------------------------------------
 
-    def _tree_width(self, batch: int) -> int:
-        """`_choose_tree_width`, chosen again every WIDTH_REFRESH_ROUNDS rounds of a batch size."""
-        width, left = self._widths.get(batch, (0, 0))
+    def _tree_budget(self, batch: int) -> int:
+        """`_choose_tree_budget`, chosen again every BUDGET_REFRESH_ROUNDS rounds of a batch size."""
+        budget, left = self._budgets.get(batch, (0, 0))
         if left <= 0:
-            width, left = self._choose_tree_width(batch), WIDTH_REFRESH_ROUNDS
-        self._widths[batch] = (width, left - 1)
-        return width
+            budget, left = self._choose_tree_budget(batch), BUDGET_REFRESH_ROUNDS
+        self._budgets[batch] = (budget, left - 1)
+        return budget
 
-    def _choose_tree_width(self, batch: int) -> int:
+    def _choose_tree_budget(self, batch: int) -> int:
         """Branches per sequence this round. Auto fan-out: the speedup model (docs/algorithm.md
-        section 8) over widths 1..fanout_budget, fed with the live draft forward costs and the
+        section 8) over budgets 1..fanout_budget, fed with the live draft forward costs and the
         target's last verify time."""
         if self.spec.fixed_fanout is not None:
             return self.spec.budget
@@ -366,16 +366,16 @@ class DraftWorker:
                         backups=backups)
         return best.budget
 
-    def _fanout(self, seq: DraftSequence, width: int | None = None) -> list[int]:
+    def _fanout(self, seq: DraftSequence, budget: int | None = None) -> list[int]:
         """F_0..F_K for a sequence: fixed, all at depth 0 after a fast backup (it almost always
-        accepts nothing), else section 7's allocation of ``width`` from the live a, c, r."""
+        accepts nothing), else section 7's allocation of ``budget`` from the live a, c, r."""
         if self.spec.fixed_fanout is not None:
             return list(self.spec.fixed_fanout)
-        width = self.spec.budget if width is None else width
+        budget = self.spec.budget if budget is None else budget
         if seq.last_source is Source.FAST:
-            return [width] + [0] * self.k
+            return [budget] + [0] * self.k
         law = self.power_law.estimate()
-        return optimal_fanout(width, self.k, self.acceptance.value, law.r, law.c)
+        return optimal_fanout(budget, self.k, self.acceptance.value, law.r, law.c)
 
     def _glue(self, seqs: list[DraftSequence]) -> torch.Tensor:
         """Write draft KV for [uncached.., b, s_1..s_K]; return the K+1 glue logit rows each, [n, K+1, V].

@@ -73,7 +73,7 @@ def test_bad_prompts_are_refused_and_the_engine_keeps_serving(llm, prompt, match
 @pytest.mark.parametrize("kwargs, match", [
     (dict(temperature=-1), "temperature"),
     (dict(top_p=0), "top_p"),
-    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-1), "max_tokens"),
 ])
 def test_out_of_range_sampling_parameters(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -70,7 +70,7 @@ def test_lists_become_tuples_and_params_are_frozen_and_hashable():
     ("top_k", -1), ("top_k", 2.0), ("top_k", True),
     ("top_p", 0.0), ("top_p", 1.5),
     ("min_p", -0.1), ("min_p", 1.0),
-    ("max_tokens", 0), ("max_tokens", 1.5),
+    ("max_tokens", -1), ("max_tokens", 1.5),
     ("stop", ("",)), ("stop", "END"), ("stop", (3,)),
     ("stop_token_ids", (-1,)), ("stop_token_ids", ("a",)),
     ("ignore_eos", 1),

@@ -184,7 +184,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_to
     ("/v1/completions", {"model": MODEL}, 400, "prompt", "'prompt' is required: a non-empty string"),
     ("/v1/chat/completions", {"model": MODEL}, 400, "messages", "'messages' is required"),
     ("/v1/completions", {**GOOD, "temperature": "hot"}, 400, "temperature", r"'temperature' must be 0 \(greedy\) or a number"),
-    ("/v1/completions", {**GOOD, "max_tokens": "2"}, 400, "max_tokens", "'max_tokens' must be an integer >= 1"),
+    ("/v1/completions", {**GOOD, "max_tokens": "2"}, 400, "max_tokens", "'max_tokens' must be an integer >= 0"),
     ("/v1/completions", {**GOOD, "stream": "yes"}, 400, "stream", "'stream' must be a boolean"),
     ("/v1/completions", {**GOOD, "prompt": 12}, 400, "prompt", "non-empty string or a non-empty list"),
     ("/v1/completions", {**GOOD, "prompt": ""}, 400, "prompt", "non-empty"),
@@ -193,7 +193,10 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_to
     ("/v1/completions", {**GOOD, "top_p": 0}, 400, "top_p", r"'top_p' must be a number in \(0, 1\]"),
     ("/v1/completions", {**GOOD, "temperature": -1}, 400, "temperature", r"'temperature' must be 0 \(greedy\) or a number"),
     ("/v1/completions", {**GOOD, "temperature": 5e-324}, 400, "temperature", r"temperature must be 0 \(greedy\) or .* >= 1e-06"),
-    ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens", "'max_tokens' must be an integer >= 1"),
+    ("/v1/completions", {**GOOD, "max_tokens": -1}, 400, "max_tokens", "'max_tokens' must be an integer >= 0"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, 400, "max_tokens", "'max_tokens' must be an integer >= 1"),
+    ("/v1/completions", {**GOOD, "prompt_logprobs": 21}, 400, "prompt_logprobs",
+     r"'prompt_logprobs' must be an integer in \[0, 20\]"),
     ("/v1/completions", {**GOOD, "min_p": 1.5}, 400, "min_p", r"'min_p' must be a number in \[0, 1\)"),
     ("/v1/completions", {**GOOD, "seed": -1}, 400, "seed", "'seed' must be an integer in"),
     ("/v1/completions", {**GOOD, "stop": [""]}, 400, "stop", "'stop' must be a non-empty string or a list of them"),
@@ -201,7 +204,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_to
     ("/v1/completions", {**GOOD, "best_of": 3}, 400, "best_of", "'best_of' must be 1 or null: the feature is not"),
     ("/v1/completions", {**GOOD, "logprobs": 21}, 400, "logprobs", r"'logprobs' must be an integer in \[0, 20\]"),
     ("/v1/completions", {**GOOD, "logprobs": True}, 400, "logprobs", "'logprobs' must be an integer"),
-    ("/v1/completions", {**GOOD, "echo": True}, 400, "echo", "'echo' must be false or null: the feature is not"),
+    ("/v1/completions", {**GOOD, "echo": "yes"}, 400, "echo", "'echo' must be a boolean"),
     ("/v1/completions", {**GOOD, "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
     ("/v1/completions", {**GOOD, "colour": "red"}, 400, "colour", "unknown field 'colour'; supported fields"),
     ("/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, 400, "stream_options",
@@ -464,3 +467,74 @@ def _stream_plain(url: str, body: dict) -> Streamed:
             if line.startswith("data: "):
                 add_event(result, line[len("data: "):])
     return result
+
+
+# --- echo and prompt logprobs --------------------------------------------------------------------
+
+
+def _offline_prompt_logprobs(prompt: list[int]) -> list:
+    """The prompt's logprobs from a separate ar LLM on the served target (its own prefill)."""
+    with LLM(mode="ar", launch="local", max_batch=1, max_seq_len=256) as llm:
+        return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=1))[0].prompt_logprobs
+
+
+def test_echo_and_prompt_logprobs_score_the_prompt(served):
+    """echo + logprobs + max_tokens 0 returns the prompt's text and its tokens' logprobs (the
+    first null), equal to an offline prefill's; streamed the same; vLLM's prompt_logprobs list."""
+    llm, bg = served
+    client = openai.OpenAI(base_url=bg.url + "/v1", api_key=API_KEY, max_retries=0)
+    prompt = "The capital of France is Paris"
+    ids = llm.tokenizer.encode(prompt)
+    want = _offline_prompt_logprobs(ids)
+    done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, temperature=0, logprobs=1, echo=True)
+    choice = done.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length" and done.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+    for value, top, token, w in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], lp.tokens[1:], want[1:]):
+        assert abs(value - w.logprob) < 1e-4 and top[token] == value and len(top) <= 2
+    pieces = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, temperature=0, logprobs=1,
+                                            echo=True, stream=True))
+    assert "".join(p.choices[0].text for p in pieces if p.choices) == prompt
+    streamed = [v for p in pieces if p.choices and p.choices[0].logprobs for v in p.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+    # Echo with generated tokens: the prompt's entries, then the output's, offsets running on.
+    both = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=1, echo=True)
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=1)
+    assert both.choices[0].text == prompt + plain.choices[0].text
+    assert both.choices[0].logprobs.token_logprobs[len(ids):] == pytest.approx(
+        plain.choices[0].logprobs.token_logprobs, abs=1e-5)
+    # vLLM's prompt_logprobs, completions (on the choice) and chat (on the response).
+    raw = _complete(httpx.Client(base_url=bg.url, headers=AUTH, timeout=60), prompt=ids, max_tokens=1,
+                    prompt_logprobs=2)
+    listed = raw["choices"][0]["prompt_logprobs"]
+    assert len(listed) == len(ids) and listed[0] is None
+    for tok, entry, w in zip(ids[1:], listed[1:], want[1:]):
+        assert abs(entry[str(tok)]["logprob"] - w.logprob) < 1e-4 and entry[str(tok)]["rank"] == w.rank
+        assert 1 <= len(entry) <= 3
+    chat = httpx.post(bg.url + "/v1/chat/completions", headers=AUTH, timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+
+
+def test_loglikelihood_request_as_lm_eval_sends_it(served):
+    """lm-evaluation-harness's local-completions loglikelihood: token ids as a batch of one, echo,
+    logprobs 1, temperature 0, a seed; it sums token_logprobs[ctxlen:-1] and calls the
+    continuation greedy when each is its position's top."""
+    llm, bg = served
+    context, continuation = llm.tokenizer.encode("Question: 2 + 2 = ?\nAnswer:"), llm.tokenizer.encode(" 4")
+    want = _offline_prompt_logprobs(context + continuation)
+    for max_tokens in (0, 1):
+        with httpx.Client(base_url=bg.url, headers=AUTH, timeout=60) as c:
+            out = c.post("/v1/completions", json={"model": MODEL, "prompt": [context + continuation],
+                                                  "temperature": 0, "max_tokens": max_tokens, "logprobs": 1,
+                                                  "seed": 1234, "echo": True})
+        assert out.status_code == 200, out.text
+        lp = out.json()["choices"][0]["logprobs"]
+        end = len(context + continuation)
+        got = lp["token_logprobs"][len(context):end]
+        assert got == pytest.approx([w.logprob for w in want[len(context):]], abs=1e-4)
+        tops = lp["top_logprobs"][len(context):end]
+        is_greedy = all(v == max(t.values()) for v, t in zip(got, tops))
+        assert is_greedy == all(w.rank == 1 for w in want[len(context):])

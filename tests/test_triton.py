@@ -35,13 +35,19 @@ from trtssd.triton import metrics as triton_metrics
 from trtssd.triton.repository import config_pbtxt, write_repository
 from trtssd.runtime.processes import descendants, mapped_segments, start_time
 from trtssd.triton.server import SHM_PREFIXES, free_port
-from trtssd.triton.tensors import INPUTS, OUTPUTS
+from trtssd.triton.tensors import INPUTS, LOG_PROB_OUTPUTS, OUTPUTS
 from trtssd.triton.triton_requests import DEFAULT_MAX_TOKENS, parse_request
 from trtssd.triton.triton_responses import output_arrays
 
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "Write a haiku about the sea."]
 GREEDY_TOKENS = 20
 MAX_SEQ_LEN = 256
+SERVER_FANOUT = (2, 1, 1, 1, 1, 1)  # fixed: skips the draft's start-up calibration that "auto" needs
+SEEDED = dict(temperature=0.9, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)  # a seeded sampled request
+# The default engine's fp32 forward gives logprobs that differ by up to 1.7e-5 between batch shapes
+# (measured: the same greedy prompts in ar batched and alone, and in sd/ssd, whose verify shapes
+# follow cache hits), so values from two runs agree to this, not to 1e-5.
+LOGPROB_TOL = 1e-4
 CLIENT_TYPES = {"TYPE_STRING": "BYTES", "TYPE_BOOL": "BOOL", "TYPE_INT32": "INT32", "TYPE_FP32": "FP32",
                 "TYPE_UINT64": "UINT64"}
 NUMPY_TYPES = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64}
@@ -69,8 +75,9 @@ def _inputs(**values) -> dict[str, np.ndarray]:
 def test_request_defaults_follow_vllms_backend():
     req = parse_request(_inputs(text_input="hi"), {}, FakeTokenizer())
     assert req.prompt_ids == [ord("h"), ord("i")]
-    assert req.params == SamplingParams(max_tokens=DEFAULT_MAX_TOKENS)
+    assert req.params == SamplingParams(max_tokens=DEFAULT_MAX_TOKENS)  # no logprobs computed
     assert not req.stream and req.prepend_input  # non-streaming output repeats the prompt unless excluded
+    assert not req.return_log_probs
     streamed = parse_request(_inputs(text_input="hi", stream=True), {}, FakeTokenizer())
     assert streamed.stream and not streamed.prepend_input
     excluded = parse_request(_inputs(text_input="hi", exclude_input_in_output=True), {}, FakeTokenizer())
@@ -91,8 +98,23 @@ def test_sampling_settings_json_then_parameters_then_tensors():
         (2**40, 5, True, 4)
 
 
+def test_return_log_probs_asks_the_engine_for_the_chosen_tokens_only():
+    asked = parse_request(_inputs(text_input="hi", return_log_probs=True), {}, FakeTokenizer())
+    assert asked.return_log_probs and asked.params.logprobs == 0
+    # vLLM's key is checked but asks for nothing: no output carries its alternatives.
+    vllm_style = _inputs(text_input="hi", sampling_parameters=json.dumps({"logprobs": 5}))
+    assert parse_request(vllm_style, {}, FakeTokenizer()).params.logprobs is None
+    vllm_style["return_log_probs"] = np.array([True])
+    assert parse_request(vllm_style, {}, FakeTokenizer()).params.logprobs == 0
+    off = parse_request(_inputs(text_input="hi", return_log_probs=False), {}, FakeTokenizer())
+    assert not off.return_log_probs and off.params.logprobs is None
+
+
 @pytest.mark.parametrize("inputs, message", [
     (dict(), "'text_input' is required"),
+    (dict(text_input="hi", sampling_parameters='{"logprobs": 21}'), "SamplingParams.logprobs"),
+    (dict(text_input="hi", sampling_parameters='{"logprobs": "many"}'), "'logprobs' in sampling_parameters"),
+    (dict(text_input="hi", return_log_probs=[True, False]), "'return_log_probs' must hold one boolean"),
     (dict(text_input=""), "non-empty"),
     (dict(text_input="hi", sampling_parameters="{nope"), "not valid JSON"),
     (dict(text_input="hi", sampling_parameters='{"beam_width": 2}'), "unknown key(s) ['beam_width']"),
@@ -106,13 +128,28 @@ def test_bad_requests_name_the_field(inputs, message):
     assert message in str(err.value)
 
 
+def test_a_non_boolean_flag_is_refused_by_name():
+    given = {**_inputs(text_input="hi"), "return_log_probs": np.array([1], dtype=np.int32)}
+    with pytest.raises(ValueError, match="'return_log_probs' must be a boolean"):
+        parse_request(given, {}, FakeTokenizer())
+
+
 def test_output_arrays_carry_the_speculation_figures():
     spec = SpecMetrics(num_drafts=2, num_draft_tokens=10, num_accepted_tokens=8, cache_hits=1, cache_misses=1)
     arrays = output_arrays("ab", [5, 6], 3, 2, "length", spec)
-    assert set(arrays) == {s.name for s in OUTPUTS}
+    assert set(arrays) == {s.name for s in OUTPUTS} - set(LOG_PROB_OUTPUTS)  # not asked for: not sent
     assert arrays["acceptance_rate"][0] == pytest.approx(0.8) and arrays["cache_hit_rate"][0] == pytest.approx(0.5)
     assert arrays["total_draft_tokens"][0] == 10 and arrays["output_ids"].tolist() == [5, 6]
     assert output_arrays("", [], 3, 0)["acceptance_rate"][0] == 0.0  # before the last response
+
+
+def test_log_prob_outputs_have_tensorrt_llms_shapes_less_the_batch():
+    arrays = output_arrays("ab", [5, 6], 3, 4, log_probs=[-0.25, -1.5], cum_log_prob=-2.0)
+    assert arrays["output_log_probs"].shape == (1, 2) and arrays["output_log_probs"].dtype == np.float32
+    assert arrays["output_log_probs"][0].tolist() == [-0.25, -1.5] and arrays["cum_log_probs"].tolist() == [-2.0]
+    assert output_arrays("", (), 3, 4, log_probs=[], cum_log_prob=-2.0)["output_log_probs"].shape == (1, 0)
+    with pytest.raises(ValueError, match="1 log-probabilities for 2 tokens"):
+        output_arrays("ab", [5, 6], 3, 2, log_probs=[-0.25])
 
 
 def test_config_is_decoupled_python_with_every_tensor():
@@ -231,7 +268,7 @@ def server(engine, tmp_path_factory):
     repo = tmp_path_factory.mktemp("triton-repo")
     # A fixed fan-out skips the draft's start-up calibration that "auto" needs (seconds on a CPU).
     assert cli_main(["triton-repo", "--out", str(repo), "--engine", str(engine), "--mode", "ssd", "--max-batch", "4",
-                     "--max-seq-len", str(MAX_SEQ_LEN), "--fanout", "2,1,1,1,1,1"]) == 0
+                     "--max-seq-len", str(MAX_SEQ_LEN), "--fanout", ",".join(map(str, SERVER_FANOUT))]) == 0
     ports = SimpleNamespace(http=free_port(), grpc=free_port(), metrics=free_port())
     log_path = repo / "server.log"
     with open(log_path, "wb") as log:
@@ -267,22 +304,37 @@ def _wait_ready(s, timeout_s: float) -> None:
 def reference(engine):
     """Greedy output of LLM.generate in ar mode: what every greedy request must reproduce."""
     with LLM(str(engine), mode="ar", max_batch=4, max_seq_len=MAX_SEQ_LEN) as llm:
-        outs = {o.prompt: o for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS))}
+        outs = {o.prompt: o for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS,
+                                                                          logprobs=0))}
         text = outs[PROMPTS[0]].text
         stop = text[len(text) // 2:len(text) // 2 + 3]  # a stop string the greedy output runs into
         stopped = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, stop=(stop,)))[0]
     return SimpleNamespace(outputs=outs, stop=stop, stopped=stopped)
 
 
+@pytest.fixture(scope="module")
+def sampled_reference(engine):
+    """The seeded sampled request offline, in the server's mode and K (the draft in-process): a seed
+    makes the output a function of prompt, parameters, seed, engine, mode and K only."""
+    with LLM(str(engine), mode="ssd", launch="local", fanout=SERVER_FANOUT, max_batch=4,
+             max_seq_len=MAX_SEQ_LEN) as llm:
+        return llm.generate(PROMPTS[1], SamplingParams(**SEEDED, logprobs=0))[0]
+
+
 def _grpc_inputs(**values):
     import tritonclient.grpc as grpcclient
+
+    from tritonclient.utils import np_to_triton_dtype
 
     types = {spec.name: CLIENT_TYPES[spec.data_type] for spec in INPUTS}
     inputs = []
     for name, value in values.items():
-        array = np.array([v.encode() if isinstance(v, str) else v for v in
-                          (value if isinstance(value, list) else [value])], dtype=NUMPY_TYPES[types[name]])
-        tensor = grpcclient.InferInput(name, list(array.shape), types[name])
+        if isinstance(value, np.ndarray):  # sent as it is, in its own type
+            array = value
+        else:
+            array = np.array([v.encode() if isinstance(v, str) else v for v in
+                              (value if isinstance(value, list) else [value])], dtype=NUMPY_TYPES[types[name]])
+        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)
     return inputs
@@ -392,7 +444,7 @@ def test_http_generate_and_generate_stream(server, reference):
 @server_test
 def test_sampling_parameters_are_honoured(server, reference):
     prompt = PROMPTS[1]
-    seeded = dict(text_input=prompt, temperature=0.9, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+    seeded = dict(text_input=prompt, **SEEDED)
     first = _joined(grpc_stream(server, **seeded))
     again = _joined(grpc_stream(server, **seeded))
     as_json = _joined(grpc_stream(server, text_input=prompt, sampling_parameters=json.dumps(
@@ -409,6 +461,68 @@ def test_sampling_parameters_are_honoured(server, reference):
     assert _joined(short)[1] == ref.token_ids[:3] and short[-1].as_numpy("finish_reason")[0] == b"length"
 
 
+def _log_probs(responses) -> tuple[list[float], list[float]]:
+    """A request's output_log_probs joined over its responses, and each response's cum_log_probs."""
+    for r in responses:  # TensorRT-LLM's shapes less the batch: [beams = 1, tokens] and [1]
+        assert r.as_numpy("output_log_probs").shape == (1, len(r.as_numpy("output_ids")))
+        assert r.as_numpy("cum_log_probs").shape == (1,)
+    return ([float(v) for r in responses for v in r.as_numpy("output_log_probs")[0]],
+            [float(r.as_numpy("cum_log_probs")[0]) for r in responses])
+
+
+def _check_log_probs(responses, want) -> list[float]:
+    """output_log_probs are ``want``'s values and every cum_log_probs is the sum up to its response."""
+    values, cums = _log_probs(responses)
+    assert values == pytest.approx([e.logprob for e in want], abs=LOGPROB_TOL)
+    sizes = [len(r.as_numpy("output_ids")) for r in responses]
+    assert cums == pytest.approx([sum(values[:sum(sizes[:i + 1])]) for i in range(len(sizes))], abs=1e-5)
+    return values
+
+
+@server_test
+def test_log_probs_are_the_offline_ones_streamed_or_not(server, reference, sampled_reference):
+    greedy = reference.outputs[PROMPTS[0]]
+    sampled = sampled_reference
+    runs = {}
+    for stream in (True, False):
+        responses = grpc_stream(server, text_input=PROMPTS[0], stream=stream, temperature=0.0,
+                                max_tokens=GREEDY_TOKENS, return_log_probs=True)
+        assert _joined(responses)[1] == greedy.token_ids
+        runs["greedy", stream] = _check_log_probs(responses, greedy.logprobs)
+        if stream:
+            assert len(responses) > 2  # several rounds, then the closing response (no tokens, the total)
+        responses = grpc_stream(server, text_input=PROMPTS[1], stream=stream, return_log_probs=True, **SEEDED)
+        assert _joined(responses)[1] == sampled.token_ids  # the seed's promise, so the values are comparable
+        runs["sampled", stream] = _check_log_probs(responses, sampled.logprobs)
+    for kind in ("greedy", "sampled"):
+        assert runs[kind, True] == pytest.approx(runs[kind, False], abs=LOGPROB_TOL)
+    # Without the flag neither output is sent.
+    plain = grpc_stream(server, text_input=PROMPTS[0], stream=True, temperature=0.0, max_tokens=3)
+    assert all(r.as_numpy(name) is None for r in plain for name in LOG_PROB_OUTPUTS)
+
+
+@server_test
+def test_http_generate_returns_log_probs(server, reference):
+    ref = reference.outputs[PROMPTS[0]]
+    want = [e.logprob for e in ref.logprobs]
+    body = {"text_input": PROMPTS[0], "max_tokens": GREEDY_TOKENS, "temperature": 0, "return_log_probs": True}
+    with httpx.Client(base_url=server.http, timeout=120) as client:
+        r = client.post("/v2/models/trtssd/generate", json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert np.ravel(out["output_log_probs"]).tolist() == pytest.approx(want, abs=LOGPROB_TOL)
+        assert out["cum_log_probs"] == pytest.approx(sum(np.ravel(out["output_log_probs"])), abs=1e-5)
+        events = []
+        with client.stream("POST", "/v2/models/trtssd/generate_stream", json={**body, "stream": True}) as response:
+            assert response.status_code == 200
+            events = [json.loads(line[len("data: "):]) for line in response.iter_lines() if line.startswith("data: ")]
+        streamed = [v for e in events for v in np.ravel(e["output_log_probs"]).tolist()]
+        assert streamed == pytest.approx(want, abs=LOGPROB_TOL)
+        assert events[-1]["cum_log_probs"] == pytest.approx(sum(streamed), abs=1e-5)
+        plain = client.post("/v2/models/trtssd/generate", json={**body, "return_log_probs": False}).json()
+        assert not set(LOG_PROB_OUTPUTS) & set(plain)
+
+
 @server_test
 def test_bad_inputs_get_errors_and_the_server_stays_ready(server):
     from tritonclient.utils import InferenceServerException
@@ -420,6 +534,7 @@ def test_bad_inputs_get_errors_and_the_server_stays_ready(server):
         ({"text_input": "hi", "max_tokens": 10 * MAX_SEQ_LEN}, "exceeds max_seq_len"),
         ({"text_input": "hi", "stream": True, "exclude_input_in_output": False}, "not allowed"),
         ({"max_tokens": 4}, "text_input"),  # Triton's own check of a required input
+        ({"text_input": "hi", "sampling_parameters": '{"logprobs": 21}'}, "SamplingParams.logprobs"),
     ]
     with httpx.Client(base_url=server.http, timeout=60) as client:
         for body, message in bad:
@@ -427,6 +542,10 @@ def test_bad_inputs_get_errors_and_the_server_stays_ready(server):
             assert r.status_code == 400 and message in r.json()["error"], (body, r.text)
     [error] = grpc_stream(server, text_input="hi", top_p=0.0)
     assert isinstance(error, InferenceServerException) and "SamplingParams.top_p" in error.message()
+    # A non-boolean flag: Triton checks the declared type before the model sees the request. (Over
+    # HTTP generate, Triton's JSON parser answers a non-boolean with a 500 that names no input.)
+    [error] = grpc_stream(server, text_input="hi", return_log_probs=np.array([1], dtype=np.int32))
+    assert isinstance(error, InferenceServerException) and "return_log_probs" in error.message()
     assert httpx.get(f"{server.http}/v2/health/ready").status_code == 200
     ok = grpc_stream(server, text_input=PROMPTS[0], temperature=0.0, max_tokens=2)
     assert len(_joined(ok)[1]) == 2

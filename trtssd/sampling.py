@@ -66,6 +66,9 @@ class SamplingParams:
     # Each emitted token's log-probability and this many most likely alternatives (0-20), from
     # `processed_logprobs`; None = off.
     logprobs: int | None = None
+    # Each prompt token's log-probability (the first's is None: nothing scores it) and this many
+    # most likely alternatives (0-20), from the same distribution as `logprobs`; None = off.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience; stored as tuples so the object stays hashable.
@@ -81,8 +84,9 @@ class SamplingParams:
             _fail("top_p", "a number in (0, 1] (1 = off)", self.top_p)
         if not _is_real(self.min_p) or not 0 <= self.min_p < 1:
             _fail("min_p", "a number in [0, 1) (0 = off)", self.min_p)
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            _fail("max_tokens", "an int >= 1", self.max_tokens)
+        # 0: the prompt is only prefilled (for its prompt_logprobs), nothing is generated.
+        if not _is_int(self.max_tokens) or self.max_tokens < 0:
+            _fail("max_tokens", "an int >= 0", self.max_tokens)
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             _fail("stop", "a tuple/list of non-empty strings", self.stop)
         if not isinstance(self.stop_token_ids, tuple) or not all(
@@ -93,8 +97,10 @@ class SamplingParams:
             _fail("ignore_eos", "a bool", self.ignore_eos)
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= _MAX_SEED):
             _fail("seed", f"None or an int in [0, {_MAX_SEED}]", self.seed)
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            _fail("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]", self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                _fail(name, f"None or an int in [0, {MAX_LOGPROBS}]", value)
 
     @property
     def is_greedy(self) -> bool:
@@ -167,22 +173,36 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first; only tokens with p > 0
+    rank: int = 1  # 1 + how many tokens are more likely than it (vLLM's "rank")
 
 
-def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], params: SamplingParams) -> list[TokenLogprob]:
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], params: SamplingParams,
+                   num_top: int | None = None) -> list[TokenLogprob]:
     """Logits [n, V] scoring each of ``tokens`` (n of them) -> their `TokenLogprob`s, with
-    ``params.logprobs`` alternatives each."""
+    ``num_top`` alternatives each (default ``params.logprobs``; prompt logprobs pass
+    ``params.prompt_logprobs``)."""
+    num_top = params.logprobs if num_top is None else num_top
     logp = processed_logprobs(logits[None], [params])[0]  # [n, V]
-    chosen = logp.gather(-1, torch.as_tensor(list(tokens), dtype=torch.long)[:, None])[:, 0].tolist()
+    chosen_t = logp.gather(-1, torch.as_tensor(list(tokens), dtype=torch.long)[:, None])  # [n, 1]
+    ranks = ((logp > chosen_t).sum(dim=-1) + 1).tolist()
+    chosen = chosen_t[:, 0].tolist()
     top_values = top_ids = None
-    if params.logprobs:
-        top_values, top_ids = logp.topk(params.logprobs, dim=-1)
+    if num_top:
+        top_values, top_ids = logp.topk(num_top, dim=-1)
     out = []
     for i, (tok, lp) in enumerate(zip(tokens, chosen)):
         top = () if top_ids is None else tuple(
             (t, v) for t, v in zip(top_ids[i].tolist(), top_values[i].tolist()) if v != -math.inf)
-        out.append(TokenLogprob(int(tok), lp, top))
+        out.append(TokenLogprob(int(tok), lp, top, int(ranks[i])))
     return out
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt: Sequence[int], params: SamplingParams) -> list[TokenLogprob | None]:
+    """A prompt's logprobs from its prefill's logits [len(prompt), V] (row i scores token i + 1):
+    one per prompt token, the first None (nothing before it scores it)."""
+    if len(prompt) < 2:
+        return [None] * len(prompt)
+    return [None, *token_logprobs(logits[:-1], prompt[1:], params, num_top=params.prompt_logprobs)]
 
 
 def _processed_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, "SamplingTensors"]:

@@ -41,6 +41,9 @@ class Chunk:
     slots: torch.Tensor
     mask: torch.Tensor
     last_logits_only: bool = False  # prefill needs only the last row; saves a [n, V] projection
+    # A sequence's prompt: an executor decodes it as it decodes prompts (the same KV) whatever
+    # logits it returns (prompt logprobs ask for every row).
+    prompt: bool = False
 
 
 def chain_chunk(

@@ -310,7 +310,9 @@ class GgmlExecutor:
                                    or self._trash_splits(total)):
             self.compact()  # before placing: the cells placed below are not in llama.cpp's cache yet
         per_chunk = []  # each chunk's (token, position, lane id, wants logits)
-        alone = [c.last_logits_only and c.tokens.numel() > _SHORT_PIECE for c in chunks]  # prompts
+        # Prompts, also those asking for every row's logits (prompt logprobs): their KV is then
+        # the same as without, so what follows is too.
+        alone = [(c.last_logits_only or c.prompt) and c.tokens.numel() > _SHORT_PIECE for c in chunks]
         for c, seq in zip(chunks, seqs):
             lanes = self._place(c, seq)
             n = c.tokens.numel()

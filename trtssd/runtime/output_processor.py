@@ -32,6 +32,8 @@ class Delta:
     token_texts: tuple[str, ...]  # each token's share of ``text`` (for per-token streams)
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when the request asked for them
     stop_at: int | None = None  # a stop string ends the output after this many tokens
+    # On the request's first delta only, when it asked for them (SamplingParams.prompt_logprobs).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,8 @@ class RequestOutput:
     e2e_s: float  # arrival -> finished
     token_gaps_s: tuple[float, ...]  # between successive emissions (inter-token latency)
     logprobs: list[TokenLogprob] | None = None  # one per token when SamplingParams.logprobs is set
+    # One per prompt token, the first None (nothing scores it), when SamplingParams.prompt_logprobs is set.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -101,7 +105,7 @@ class OutputText:
             self._stopped()  # a stop string that needed the held-back incomplete character
         kept = len(texts)
         return Delta(tuple(out.new_token_ids[:kept]), "".join(texts), tuple(texts), tuple(out.logprobs[:kept]),
-                     self.stop_at)
+                     self.stop_at, out.prompt_logprobs)
 
     def _stopped(self) -> bool:
         if self._detokenizer is None or self._detokenizer.stop_string is None:
@@ -121,4 +125,5 @@ def request_output(seq: Sequence, text: OutputText, prompt: Prompt | None = None
         prompt_token_ids=list(seq.prompt), token_ids=list(seq.output[:n]), text=text.text, finish_reason=reason,
         spec=seq.metrics, ttft_s=None if first is None else first - seq.arrival, e2e_s=seq.finish_time - seq.arrival,
         token_gaps_s=tuple(b - a for a, b in zip(seq.emit_times, seq.emit_times[1:])),
-        logprobs=None if seq.params.logprobs is None else list(seq.logprobs[:n]))
+        logprobs=None if seq.params.logprobs is None else list(seq.logprobs[:n]),
+        prompt_logprobs=None if seq.prompt_logprobs is None else list(seq.prompt_logprobs))

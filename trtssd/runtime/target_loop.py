@@ -37,8 +37,8 @@ from trtssd.runtime.affinity import CoreLending
 from trtssd.runtime.round_choice import RoundChooser, speculation_ceiling
 from trtssd.runtime.speedup_model import CostCurve, calibrated_forwards
 from trtssd.runtime.transport import PeerLost
-from trtssd.sampling import (FieldError, SamplingParams, TokenLogprob, make_generator, processed_probs, sample,
-                             token_logprobs)
+from trtssd.sampling import (FieldError, SamplingParams, TokenLogprob, make_generator, processed_probs,
+                             prompt_logprobs, sample, token_logprobs)
 from trtssd.spec_decode.verify import verify
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ class Sequence:
     generator: torch.Generator | None
     output: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first None), when asked
     bonus: int | None = None  # last emitted token, not yet in the target's KV
     outcome: P.Outcome | None = None  # to report to the draft next round
     finish_reason: str | None = None
@@ -78,6 +79,8 @@ class StepOutput:
     finished: bool
     finish_reason: str | None
     logprobs: tuple[TokenLogprob, ...] = ()  # one per new token, when the request asked for them
+    # On a sequence's first output only, when its request asked for them (Sequence.prompt_logprobs).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -278,22 +281,40 @@ class TargetLoop:
         to_draft = self.speculating and self._draft_prefills_now(len(self.running) + len(new))
         self._take_cores(plain=not to_draft)
         for seq in new:
-            if to_draft:
+            if to_draft and seq.params.max_tokens > 0:  # a prompt-only request never reaches the draft
                 self._prefill_on_draft(seq)
             self.target.add_sequence(seq.seq_id)
         t0 = time.perf_counter()
-        logits = torch.cat([self.target.forward(group)[0] if len(group) == 1 else torch.cat(self.target.forward(group))
-                            for group in self._prefill_groups(new)])  # [B, V]
+        # Per sequence, its prompt's logits: the last row only, or every row for prompt logprobs.
+        rows = [r for group in self._prefill_groups(new) for r in self.target.forward(group)]
         if to_draft:  # the draft prefills the same prompts, then pre-speculates their first round
             now = time.perf_counter()
             self._draft_busy_until = max(self._draft_busy_until, now + max(now - t0, self._last_prespec_s))
-        first = sample(processed_probs(logits, [s.params for s in new]), [s.generator for s in new]).tolist()
-        logprobs = _logprobs(new, logits[:, None], [[t] for t in first])
-        for i, (seq, tok) in enumerate(zip(new, first)):
+        for seq, r in zip(new, rows):
             self.target.commit(seq.seq_id, len(seq.prompt))
+            if seq.params.prompt_logprobs is not None:
+                seq.prompt_logprobs = prompt_logprobs(r, seq.prompt, seq.params)
+            self.running.append(seq)  # a prompt-only one leaves again at this step's _retire
+        generating = [(seq, r[-1]) for seq, r in zip(new, rows) if seq.params.max_tokens > 0]
+        for seq in new:
+            if seq.params.max_tokens == 0:
+                self._finish_prompt_only(seq, outputs)
+        if generating:
+            self._first_tokens([s for s, _ in generating], torch.stack([r for _, r in generating]), outputs)
+
+    def _first_tokens(self, seqs: list[Sequence], logits: torch.Tensor, outputs: list[StepOutput]) -> None:
+        """Sample and emit each new sequence's first token from its prompt's last logits [B, V]."""
+        first = sample(processed_probs(logits, [s.params for s in seqs]), [s.generator for s in seqs]).tolist()
+        logprobs = _logprobs(seqs, logits[:, None], [[t] for t in first])
+        for i, (seq, tok) in enumerate(zip(seqs, first)):
             seq.outcome = P.Outcome(seq.seq_id, 0, tok)
-            self.running.append(seq)
             self._emit(seq, [tok], outputs, logprobs[i] if logprobs else None)
+
+    def _finish_prompt_only(self, seq: Sequence, outputs: list[StepOutput]) -> None:
+        """A request with max_tokens 0 (scoring its prompt): done once prefilled, nothing sampled."""
+        seq.finish_reason = "length"
+        seq.emit_times.append(time.perf_counter())  # its answer (the prompt logprobs) goes out now
+        outputs.append(StepOutput(seq.seq_id, [], True, "length", (), seq.prompt_logprobs))
 
     def _draft_prefills_now(self, batch: int) -> bool:
         """Whether the draft prefills new sequences beside the target. Not where load control
@@ -315,7 +336,9 @@ class TargetLoop:
             if current and size + len(s.prompt) > budget:
                 groups.append(current)
                 current, size = [], 0
-            current.append(chain_chunk(s.seq_id, s.prompt, 0, last_logits_only=True))
+            # Prompt logprobs need every row's logits; the KV is the same either way (Chunk.prompt).
+            chunk = chain_chunk(s.seq_id, s.prompt, 0, last_logits_only=s.params.prompt_logprobs is None)
+            current.append(dataclasses.replace(chunk, prompt=True))
             size += len(s.prompt)
         groups.append(current)
         return groups
@@ -411,6 +434,7 @@ class TargetLoop:
         """Append tokens up to the first stop token or max_tokens (nothing past it is emitted),
         with their logprobs when given. Returns how many tokens were kept."""
         params = seq.params
+        first = not seq.emit_times  # the first output carries the prompt logprobs
         new: list[int] = []
         for tok in tokens:
             new.append(tok)
@@ -428,7 +452,8 @@ class TargetLoop:
         seq.metrics.num_generated_tokens = len(seq.output)
         kept_logprobs = tuple(logprobs[:len(new)]) if logprobs is not None else ()
         seq.logprobs += kept_logprobs
-        outputs.append(StepOutput(seq.seq_id, new, seq.finish_reason is not None, seq.finish_reason, kept_logprobs))
+        outputs.append(StepOutput(seq.seq_id, new, seq.finish_reason is not None, seq.finish_reason, kept_logprobs,
+                                  seq.prompt_logprobs if first else None))
         return len(new)
 
     def _retire(self) -> None:

@@ -3,7 +3,7 @@
 `CompletionRequest` and `ChatCompletionRequest` are pydantic models with one field per OpenAI
 parameter we take: FastAPI checks each body against them, and /openapi.json documents every
 field with its allowed values. A field is supported, or accepted only at the value that turns
-it off (``n`` = 1, ``echo`` false, penalties 0, ...: features we do not have are refused, never
+it off (``n`` = 1, penalties 0, ...: features we do not have are refused, never
 ignored); any other field is refused. JSON null means "not given", as OpenAI clients send it.
 What a field's type cannot say (one field that needs another, the model's tokenizer) is checked
 in `to_generation_request`, and the prompt + max_tokens length by the engine at submit.
@@ -79,6 +79,10 @@ class GenerationRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     return_token_ids: bool  # vLLM's extension: token ids in every choice
     max_tokens_param: str | None = None  # the output length's field as sent; None: not sent (a default)
+    echo: bool = False  # completions: the answer's text (and logprobs) start with the prompt's
+    prompt_text: str = ""  # the prompt as text, for echo: as sent, or its token ids decoded
+    logprobs: int | None = None  # what the request's own logprobs field asked (params may ask more for echo)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field, as sent
 
     def error_param(self, err: ValueError) -> str:
         """The request field that an engine `ValueError` (at submit) is about, by the name the user
@@ -152,6 +156,9 @@ class _Common(_Body):
     presence_penalty: Optional[float] = Field(None, ge=0, le=0, description=f"0 {OFF}")
     repetition_penalty: Optional[float] = Field(None, ge=1, le=1, description=f"1 {OFF}")
     logit_bias: Optional[dict[str, float]] = Field(None, max_length=0, description=f"{{}} {OFF}")
+    prompt_logprobs: Optional[int] = Field(
+        None, ge=0, le=MAX_LOGPROBS, description=f"an integer in [0, {MAX_LOGPROBS}]: each prompt token's logprob "
+        "and this many alternatives, as vLLM's 'prompt_logprobs' list (the first token's entry null)")
 
     def to_generation_request(self, model: ModelInfo) -> GenerationRequest:
         """What the engine runs; ApiError for what the fields' own types cannot check."""
@@ -160,20 +167,31 @@ class _Common(_Body):
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
         prompt = self.prompt_ids(model)
+        echo = self.echoes()
+        logprobs = self.logprobs_count()
+        # Echoed logprobs cover the prompt too: the prompt is scored with as many alternatives.
+        scored = [n for n in (self.prompt_logprobs, logprobs if echo else None) if n is not None]
         try:
             params = SamplingParams(
                 max_tokens=self.output_length(prompt, model), temperature=self.temperature, top_p=self.top_p,
                 top_k=max(self.top_k, 0), min_p=self.min_p, seed=self.seed,  # top_k -1 is vLLM's "off", 0 ours
                 stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
                 stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-                logprobs=self.logprobs_count())
+                logprobs=logprobs, prompt_logprobs=max(scored) if scored else None)
         except ValueError as err:  # a check of SamplingParams' that the fields' types do not make (yet)
             raise ApiError(400, str(err), getattr(err, "field", None)) from None
         include_usage = self.stream_options is not None and self.stream_options.include_usage
         # The engine's length error names "max_tokens": the user may have sent it by another name.
         sent = [name for name in ("max_completion_tokens", "max_tokens") if name in self.model_fields_set]
         return GenerationRequest(self.endpoint, prompt, params, self.stream, include_usage, self.return_token_ids,
-                                 sent[0] if sent else None)
+                                 sent[0] if sent else None, echo, self.prompt_text(prompt, model) if echo else "",
+                                 logprobs, self.prompt_logprobs)
+
+    def echoes(self) -> bool:
+        return False
+
+    def prompt_text(self, prompt: list[int], model: ModelInfo) -> str:
+        return ""
 
 
 class CompletionRequest(_Common):
@@ -185,10 +203,13 @@ class CompletionRequest(_Common):
                   Annotated[list[TokenIds], Field(min_length=1, max_length=1)]] = Field(
         description="a non-empty string or a non-empty list of token ids, or a batch of one of those "
                     "(larger batches are not supported: send one request per prompt)")
-    max_tokens: Optional[int] = Field(COMPLETION_DEFAULT_MAX_TOKENS, ge=1, description="an integer >= 1")
+    max_tokens: Optional[int] = Field(
+        COMPLETION_DEFAULT_MAX_TOKENS, ge=0,
+        description="an integer >= 0; 0 generates nothing (with echo and logprobs: scores the prompt, as vLLM)")
     logprobs: Optional[int] = Field(
-        None, ge=0, le=MAX_LOGPROBS, description=f"an integer in [0, {MAX_LOGPROBS}]: alternatives per token")
-    echo: Optional[Literal[False]] = Field(None, description=f"false {OFF}")
+        None, ge=0, le=MAX_LOGPROBS, description=f"an integer in [0, {MAX_LOGPROBS}]: alternatives per token "
+        "(with echo: the prompt's tokens too, the first one's logprob null)")
+    echo: Optional[bool] = Field(False, description="a boolean: the text (and logprobs) start with the prompt's")
     suffix: Optional[Literal[""]] = Field(None, description=f'"" {OFF}')
     best_of: Optional[Literal[1]] = Field(None, description=f"1 {OFF}")
 
@@ -207,6 +228,17 @@ class CompletionRequest(_Common):
 
     def logprobs_count(self) -> int | None:
         return self.logprobs
+
+    def echoes(self) -> bool:
+        return self.echo
+
+    def prompt_text(self, prompt: list[int], model: ModelInfo) -> str:
+        """The prompt as echoed: the text as sent; token ids decoded (nothing without a tokenizer)."""
+        sent = self.prompt[0] if isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list)) \
+            else self.prompt
+        if isinstance(sent, str):
+            return sent
+        return "" if model.tokenizer is None else model.tokenizer.decode(prompt)
 
 
 class ChatCompletionRequest(_Common):

@@ -28,7 +28,8 @@ from trtssd.llm import LLM
 from trtssd.serving.async_llm import DEFAULT_MAX_WAITING, AsyncLLM, LoopStopped, Overloaded, RequestStream
 from trtssd.serving.openai_requests import (ApiError, ChatCompletionRequest, CompletionRequest, ErrorResponse,
                                            GenerationRequest, Endpoint, ModelInfo, validation_error)
-from trtssd.serving.openai_responses import DONE, Logprobs, ResponseHeader, chunk, full_response, sse, usage_chunk
+from trtssd.serving.openai_responses import (DONE, Logprobs, ResponseHeader, chunk, full_response, prompt_chunk, sse,
+                                            usage_chunk)
 from trtssd.serving.prometheus_metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -109,11 +110,11 @@ class OpenAIServer:
         req = body.to_generation_request(self.model)
         stream = self._submit(req)
         header = ResponseHeader.new(req.endpoint, self.model.name)
-        logprobs = None if req.params.logprobs is None else Logprobs(req.endpoint, self._token_text)
+        logprobs = None if req.logprobs is None else Logprobs(req.endpoint, self._token_text, req.logprobs)
         if req.stream:
             return StreamingResponse(self._events(stream, req, header, logprobs), media_type="text/event-stream")
         final = await self._collect(stream, request)
-        return JSONResponse(full_response(header, req, final, logprobs))
+        return JSONResponse(full_response(header, req, final, logprobs, self._token_text))
 
     def _token_text(self, token_id: int) -> str:
         """One token's text, as logprobs name it (vLLM's "token_id:N" without a tokenizer)."""
@@ -135,7 +136,13 @@ class OpenAIServer:
         try:
             if req.endpoint is Endpoint.CHAT:
                 yield sse(chunk(header, req, "", role=True))
+            first = True
             async for delta in stream:
+                if first:  # the echoed prompt and prompt logprobs come with the first delta
+                    first = False
+                    head = prompt_chunk(header, req, delta.prompt_logprobs, logprobs, self._token_text)
+                    if head is not None:
+                        yield sse(head)
                 # Every step's new tokens go out at once, as vLLM streams them, even when their text
                 # is empty (a special token, or text held back): a client sees each token's time.
                 if delta.text or delta.token_ids:

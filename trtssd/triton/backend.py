@@ -122,23 +122,28 @@ class TritonModel:
             del self._open[stream.request_id]
 
     async def _respond(self, job: GenerateRequest, request: _Open) -> None:
-        generated = 0
+        generated, cum_log_prob = 0, 0.0
         async for delta in request.stream:
             generated += len(delta.token_ids)
+            log_probs = _values(delta.logprobs) if job.return_log_probs else None
+            cum_log_prob = sum(log_probs or (), cum_log_prob)  # token by token, as the final sum adds them
             self._check_cancelled(request)
             if job.stream and not request.cancelled and (delta.text or delta.token_ids):
-                self._send(request.sender, output_arrays(delta.text, delta.token_ids, len(job.prompt_ids), generated))
+                self._send(request.sender, output_arrays(delta.text, delta.token_ids, len(job.prompt_ids), generated,
+                                                         log_probs=log_probs, cum_log_prob=cum_log_prob))
         final = request.stream.final
         if final.finish_reason == "abort":
             self._send_error(request.sender, "the request was cancelled", self.pb.TritonError.CANCELLED)
             return
+        all_log_probs = _values(final.logprobs) if job.return_log_probs else None
         if job.stream:  # the text went out round by round; this one closes the stream
             text, token_ids = "", ()
+            log_probs = [] if job.return_log_probs else None
         else:
             text = (job.prompt_text if job.prepend_input else "") + final.text
-            token_ids = final.token_ids
+            token_ids, log_probs = final.token_ids, all_log_probs
         arrays = output_arrays(text, token_ids, final.prompt_tokens, final.completion_tokens, final.finish_reason,
-                               final.spec)
+                               final.spec, log_probs, sum(all_log_probs or ()))
         self._send(request.sender, arrays, self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _check_cancelled(self, request: _Open) -> None:
@@ -198,6 +203,11 @@ def _inputs(pb_utils, request) -> dict[str, np.ndarray]:
         if tensor is not None:
             out[spec.name] = np.array(tensor.as_numpy(), copy=True)
     return out
+
+
+def _values(logprobs) -> list[float]:
+    """The chosen tokens' log-probabilities of a delta or a final record."""
+    return [entry.logprob for entry in logprobs or ()]
 
 
 def _parameters(request) -> dict:

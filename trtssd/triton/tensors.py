@@ -6,8 +6,15 @@ The names are the ones existing Triton LLM clients send and read: vLLM's Triton 
 ``text_output``, ``finish_reason``, ``num_input_tokens``, ``num_output_tokens``) and TensorRT-LLM's
 (the optional scalars ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
 ``stop_words``; its speculation outputs ``acceptance_rate``, ``total_accepted_draft_tokens``,
-``total_draft_tokens``; ``output_ids``). So ``vllm bench serve --backend tensorrt-llm`` and
-clients written for either backend work unchanged.
+``total_draft_tokens``; ``output_ids``; ``return_log_probs`` -> ``output_log_probs``,
+``cum_log_probs``). So ``vllm bench serve --backend tensorrt-llm`` and clients written for either
+backend work unchanged.
+
+Where the shapes differ from TensorRT-LLM's: its models batch (``max_batch_size`` > 0), so a client
+sees its outputs with a leading batch dimension ([1, beams, tokens] for ``output_log_probs``); this
+model batches inside the engine and declares ``max_batch_size: 0``, so the same tensors come without
+it. The beam dimension is kept (always 1: there is no beam search) so that index [0] still picks
+the one beam. ``output_ids`` stays flat ([tokens]) as it always was here.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ INPUTS = (
     TensorSpec("stream", "TYPE_BOOL", (1,), True, "true: one response per round with only its new text"),
     TensorSpec("sampling_parameters", "TYPE_STRING", (1,), True,
                "JSON object as vLLM's backend takes it: temperature, top_p, top_k, min_p, max_tokens, "
-               "seed, stop, stop_token_ids, ignore_eos"),
+               "seed, stop, stop_token_ids, ignore_eos, logprobs (checked; its alternatives are not returned)"),
     TensorSpec("exclude_input_in_output", "TYPE_BOOL", (1,), True,
                "without streaming: false (default) puts the prompt before the generated text"),
     TensorSpec("max_tokens", "TYPE_INT32", (1,), True, "most tokens to generate"),
@@ -40,6 +47,8 @@ INPUTS = (
     TensorSpec("seed", "TYPE_UINT64", (1,), True, "per-request seed: the same request repeats its output"),
     TensorSpec("stop_words", "TYPE_STRING", (-1,), True, "stop strings"),
     TensorSpec("ignore_eos", "TYPE_BOOL", (1,), True, "keep generating past end-of-sequence (benchmarks)"),
+    TensorSpec("return_log_probs", "TYPE_BOOL", (1,), True,
+               "true: add output_log_probs and cum_log_probs to every response"),
 )
 
 OUTPUTS = (
@@ -54,7 +63,15 @@ OUTPUTS = (
     TensorSpec("total_draft_tokens", "TYPE_INT32", (1,), False, "draft tokens proposed (last response)"),
     TensorSpec("cache_hit_rate", "TYPE_FP32", (1,), False,
                "SSD rounds answered from the speculation cache / SSD rounds (last response)"),
+    # Only with return_log_probs (LOG_PROB_OUTPUTS). TensorRT-LLM's dims: [beams, tokens] and [beams].
+    TensorSpec("output_log_probs", "TYPE_FP32", (-1, -1), False,
+               "[1, n]: the log-probability of each token in output_ids, under the target's processed "
+               "distribution"),
+    TensorSpec("cum_log_probs", "TYPE_FP32", (-1,), False, "[1]: their sum over the tokens generated so far"),
 )
+
+# The outputs a response carries only when the request set return_log_probs.
+LOG_PROB_OUTPUTS = ("output_log_probs", "cum_log_probs")
 
 # The scalar inputs that set one SamplingParams field each (input name -> field name).
 SAMPLING_INPUTS = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",

@@ -9,10 +9,17 @@ Sampling settings may come three ways, later ones winning:
    one): the sampling keys are taken, the others (``accumulate_tokens`` from ``vllm bench serve``,
    ...) are left alone;
 3. the TensorRT-LLM-style scalar inputs (``max_tokens``, ``temperature``, ...).
+
+Log-probabilities are asked for as TensorRT-LLM asks for them, with ``return_log_probs``; the
+engine then computes each chosen token's value and no alternatives, since no output carries them.
+vLLM's ``logprobs`` key (a number of alternatives) is checked, so its clients are not refused,
+but it asks for nothing: vLLM's backend returns them only on its own ``logprobs`` output (a
+JSON string with each alternative's rank and decoded text), which this model does not have.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -26,7 +33,7 @@ DEFAULT_MAX_TOKENS = 16  # vLLM's (and its Triton backend's) default
 
 # The keys of ``sampling_parameters`` and their types (vLLM's names; top_k -1 means off, as there).
 SAMPLING_KEYS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float,
-                 "seed": int, "stop": list, "stop_token_ids": list, "ignore_eos": bool}
+                 "seed": int, "stop": list, "stop_token_ids": list, "ignore_eos": bool, "logprobs": int}
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,7 @@ class GenerateRequest:
     params: SamplingParams
     stream: bool
     prepend_input: bool  # put the prompt before the generated text (non-streaming only)
+    return_log_probs: bool = False  # add output_log_probs and cum_log_probs to the responses
 
 
 def parse_request(inputs: dict[str, np.ndarray], parameters: dict, tokenizer) -> GenerateRequest:
@@ -47,7 +55,10 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict, tokenizer) ->
     settings.update(_sampling_parameters(inputs))
     settings.update({k: _convert(k, v, "request parameter") for k, v in parameters.items() if k in SAMPLING_KEYS})
     settings.update(_scalar_inputs(inputs))
-    return GenerateRequest(text, _encode(text, tokenizer), _params(settings), stream, prepend_input)
+    return_log_probs = _bool(inputs, "return_log_probs", False)
+    # After its checks the `logprobs` key is dropped (see above): only the flag asks the engine.
+    params = dataclasses.replace(_params(settings), logprobs=0 if return_log_probs else None)
+    return GenerateRequest(text, _encode(text, tokenizer), params, stream, prepend_input, return_log_probs)
 
 
 def _text_input(inputs: dict[str, np.ndarray]) -> str:
@@ -156,6 +167,8 @@ def _bool(inputs: dict[str, np.ndarray], name: str, default: bool) -> bool:
     values = inputs[name].reshape(-1)
     if values.size != 1:
         raise ValueError(f"'{name}' must hold one boolean; got {values.size} values")
+    if values.dtype != np.bool_:  # Triton checks the declared type; this guards any other caller
+        raise ValueError(f"'{name}' must be a boolean (BOOL); got {values.dtype}")
     return bool(values[0])
 
 

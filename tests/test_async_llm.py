@@ -90,7 +90,7 @@ def test_requests_join_a_running_loop_and_stream_exact_output(tiny_pair, referen
     for (tokens, final), ref in zip(results, reference):
         assert tokens == list(final.token_ids) == ref
         assert final.finish_reason == "length" and final.usage["completion_tokens"] == len(ref)
-        assert final.ttft_s > 0 and final.e2e_s >= final.ttft_s and final.spec.num_drafts > 0
+        assert final.ttft_s > 0 and final.e2e_s >= final.ttft_s and final.speculation.num_drafts > 0
     assert sorted(r.request_id for r in records) == sorted(f.request_id for _, f in results)
 
 
@@ -157,7 +157,7 @@ def test_a_failing_loop_fails_every_pending_request_and_refuses_new_ones(tiny_pa
 
 
 def test_prometheus_counters_equal_the_served_requests(tiny_pair):
-    """Counted once per finished request, from its own SpecMetrics."""
+    """Counted once per finished request, from its own SpeculationMetrics."""
     with _llm(tiny_pair, max_batch=3) as llm:
         metrics = ServerMetrics("tiny", k=llm.spec.k)
         records = []
@@ -181,7 +181,7 @@ def test_prometheus_counters_equal_the_served_requests(tiny_pair):
         assert value("vllm:num_requests_running") == value("vllm:num_requests_waiting") == 0
         assert value("trtssd:draft_degraded") == 0
 
-    spec = [r.spec for r in records]
+    spec = [r.speculation for r in records]
     assert value("vllm:generation_tokens_total") == sum(r.completion_tokens for r in records)
     assert value("vllm:prompt_tokens_total") == sum(r.prompt_tokens for r in records)
     for reason in ("length", "stop"):

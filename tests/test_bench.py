@@ -14,7 +14,7 @@ from trtssd.bench import (BatchRecord, BenchConfig, BenchReport, RequestRecord, 
                           percentile, plan_instances, read_jsonl, render_markdown, summarize,
                           workload_from_summary, write_plots, write_report)
 from trtssd.config import Source
-from trtssd.runtime.metrics import SpecMetrics
+from trtssd.runtime.metrics import SpeculationMetrics
 from trtssd.runtime.speedup_model import CostCurve, Timings, acceptance_from_length, predict_sd
 
 # --- prompts -------------------------------------------------------------------------------------
@@ -128,7 +128,7 @@ def _req(pid: str, n: int, ttft: float, lat: float, out=None) -> RequestRecord:
 def test_summarize_throughput_latency_and_spec_metrics():
     batches = [BatchRecord((_req("a", 5, 0.1, 0.02),), 0.2, 0.1),
                BatchRecord((_req("b", 11, 0.3, 0.01),), 0.4, 0.3)]
-    spec = SpecMetrics()
+    spec = SpeculationMetrics()
     spec.record_round(3, 3, Source.HIT)
     spec.record_round(3, 1, Source.NEURAL)
     spec.verify_time_s, spec.round_time_s = 0.3, 0.4
@@ -144,7 +144,7 @@ def test_summarize_throughput_latency_and_spec_metrics():
     assert s["cache_hit_rate"] == 0.5 and s["overlap_efficiency"] == 0.75
     assert s["tokens_per_delivery"] == pytest.approx(16 / 7, abs=1e-4)  # 2 + 5 deliveries
     assert "mean_acceptance_length" not in summarize(batches, None)
-    assert "mean_acceptance_length" not in summarize(batches, SpecMetrics())  # ar: no rounds
+    assert "mean_acceptance_length" not in summarize(batches, SpeculationMetrics())  # ar: no rounds
 
 
 # --- sweep planning and configuration ------------------------------------------------------------
@@ -261,8 +261,8 @@ def _run(system: str, tok_s: float, outputs: list[tuple[int, ...]], k=None, budg
     return RunResult(RunKey(system, dataset, 1, 0.0, k, budget), summary, reqs)
 
 
-def _spec(rounds: list[tuple[int, Source]], k: int, wait_s: float = 0.0) -> SpecMetrics:
-    m = SpecMetrics()
+def _spec(rounds: list[tuple[int, Source]], k: int, wait_s: float = 0.0) -> SpeculationMetrics:
+    m = SpeculationMetrics()
     for accepted, source in rounds:
         m.record_round(k, accepted, source)
     m.draft_wait_time_s = wait_s * len(rounds)

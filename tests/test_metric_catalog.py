@@ -4,20 +4,20 @@ exporters end up with the same totals from it)."""
 from __future__ import annotations
 
 from request_records import finished
-from trtssd.runtime.metrics import SpecMetrics
+from trtssd.runtime.metrics import SpeculationMetrics
 from trtssd.runtime.output_processor import RequestOutput
 from trtssd.serving.metric_catalog import METRICS, Kind, request_additions, series_from_start
 
 
 def _ssd_request() -> RequestOutput:
-    spec = SpecMetrics(num_drafts=2, num_draft_tokens=6, num_accepted_tokens=4, accepted_per_position=[2, 2, 0],
+    spec = SpeculationMetrics(num_drafts=2, num_draft_tokens=6, num_accepted_tokens=4, accepted_per_position=[2, 2, 0],
                        cache_hits=1, cache_misses=1, accepted_on_hit=3, accepted_on_miss=1, fast_backups=1,
                        tree_branches=5, round_time_s=2.0, verify_time_s=1.5)
     return finished("r", 7, (1, 2, 3), "abc", "stop", 0.1, 0.9, (0.2, 0.3), spec)
 
 
 def _aborted_request() -> RequestOutput:
-    return finished("a", 3, (), "", "abort", None, 0.05, (), SpecMetrics())
+    return finished("a", 3, (), "", "abort", None, 0.05, (), SpeculationMetrics())
 
 
 def test_one_request_adds_its_counts_and_no_zeros():

@@ -29,7 +29,7 @@ from request_records import finished
 from sse_client import scrape
 from trtssd import LLM, SamplingParams
 from trtssd.cli import main as cli_main
-from trtssd.runtime.metrics import SpecMetrics
+from trtssd.runtime.metrics import SpeculationMetrics
 from trtssd.serving.prometheus_metrics import ServerMetrics
 from trtssd.triton import metrics as triton_metrics
 from trtssd.triton.repository import config_pbtxt, write_repository
@@ -135,7 +135,7 @@ def test_a_non_boolean_flag_is_refused_by_name():
 
 
 def test_output_arrays_carry_the_speculation_figures():
-    spec = SpecMetrics(num_drafts=2, num_draft_tokens=10, num_accepted_tokens=8, cache_hits=1, cache_misses=1)
+    spec = SpeculationMetrics(num_drafts=2, num_draft_tokens=10, num_accepted_tokens=8, cache_hits=1, cache_misses=1)
     arrays = output_arrays("ab", [5, 6], 3, 2, "length", spec)
     assert set(arrays) == {s.name for s in OUTPUTS} - set(LOG_PROB_OUTPUTS)  # not asked for: not sent
     assert arrays["acceptance_rate"][0] == pytest.approx(0.8) and arrays["cache_hit_rate"][0] == pytest.approx(0.5)
@@ -204,7 +204,7 @@ def test_metrics_are_the_openai_servers_and_count_a_request():
 
     FakeFamily.made = []
     m = triton_metrics.TritonMetrics(SimpleNamespace(MetricFamily=FakeFamily), "trtssd", k=3)
-    spec = SpecMetrics(num_drafts=2, num_draft_tokens=6, num_accepted_tokens=5, cache_hits=2,
+    spec = SpeculationMetrics(num_drafts=2, num_draft_tokens=6, num_accepted_tokens=5, cache_hits=2,
                        accepted_per_position=[2, 2, 1], tree_branches=3, round_time_s=1.0, verify_time_s=0.5)
     m.observe(finished("r", 4, (1, 2, 3), "abc", "length", 0.1, 0.5, (0.2, 0.2), spec))
     value = {(f.name, tuple(sorted(x.labels.items()))): x for f in FakeFamily.made for x in f.metrics}
@@ -221,11 +221,11 @@ def test_triton_and_the_openai_server_count_the_same():
     FakeFamily.made = []
     triton = triton_metrics.TritonMetrics(SimpleNamespace(MetricFamily=FakeFamily), "m", k=3)
     server = ServerMetrics("m", 3)
-    spec = SpecMetrics(num_drafts=2, num_draft_tokens=6, num_accepted_tokens=4, accepted_per_position=[2, 2, 0],
+    spec = SpeculationMetrics(num_drafts=2, num_draft_tokens=6, num_accepted_tokens=4, accepted_per_position=[2, 2, 0],
                        cache_hits=1, cache_misses=1, accepted_on_hit=3, accepted_on_miss=1, fast_backups=1,
                        tree_branches=5, round_time_s=2.0, verify_time_s=1.5)
     for record in (finished("r", 7, (1, 2, 3), "abc", "stop", 0.1, 0.9, (0.2, 0.3), spec),
-                   finished("a", 3, (), "", "abort", None, 0.05, (), SpecMetrics())):
+                   finished("a", 3, (), "", "abort", None, 0.05, (), SpeculationMetrics())):
         triton.observe(record)
         server.observe(record)
     sample = server.registry.get_sample_value

@@ -20,7 +20,7 @@ from trtssd.models.engine_dir import MANIFEST, engine_speculation
 from trtssd.models.tokenizer import chat_prompt_ids, encode_text, load_tokenizer
 from trtssd.runtime.affinity import core_lending, cores_besides, pin, pin_thread, restore, split_cores
 from trtssd.runtime.launch import LAUNCHES, start_draft, target_seq_len
-from trtssd.runtime.metrics import SpecMetrics
+from trtssd.runtime.metrics import SpeculationMetrics
 from trtssd.runtime.output_processor import OutputText, Prompt, RequestOutput, request_output
 from trtssd.runtime.target_loop import TargetLoop, Verifier
 from trtssd.sampling import SamplingParams
@@ -205,7 +205,7 @@ class LLM:
         return "alive" if self.loop.speculating else "lost"
 
     @property
-    def metrics(self) -> SpecMetrics:
+    def metrics(self) -> SpeculationMetrics:
         """Aggregate metrics over every finished request."""
         return self.loop.metrics
 

@@ -97,7 +97,7 @@ def _tree_samples(ex, seqs: list[int], batch_sizes, ks, budgets, context: int, r
 
 
 def workload_from_summary(spec: dict, k: int) -> Workload:
-    """a, h and the fast backup's acceptance as one run measured them (SpecMetrics.summary())."""
+    """a, h and the fast backup's acceptance as one run measured them (SpeculationMetrics.summary())."""
     hits, misses = spec["cache_hits"], spec["cache_misses"]
     h = hits / (hits + misses) if hits + misses else 0.0
     to_a = lambda accepted, rounds: acceptance_from_length(min(1 + accepted / rounds, k + 1), k)  # noqa: E731

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from trtssd.runtime.metrics import SpecMetrics
+from trtssd.runtime.metrics import SpeculationMetrics
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 3)
 
 
-def summarize(batches: Sequence[BatchRecord], spec: SpecMetrics | None) -> dict:
+def summarize(batches: Sequence[BatchRecord], spec: SpeculationMetrics | None) -> dict:
     """Throughput, latency percentiles and (for trtssd) the speculation metrics of one run."""
     requests = [r for b in batches for r in b.requests]
     tokens = sum(len(r.output_ids) for r in requests)

@@ -11,7 +11,7 @@ from typing import Sequence
 
 from trtssd.bench.config import BenchConfig
 from trtssd.bench.records import BatchRecord, RequestRecord, RunKey, per_token_latencies
-from trtssd.runtime.metrics import SpecMetrics
+from trtssd.runtime.metrics import SpeculationMetrics
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class TrtssdRunner:
                        draft=ModelRef(cfg.draft) if cfg.draft else None, **options)
 
     def run_batch(self, key: RunKey, prompts: Sequence[list[int]], ids: Sequence[str], cfg: BenchConfig,
-                  seed: int) -> tuple[BatchRecord, SpecMetrics]:
+                  seed: int) -> tuple[BatchRecord, SpeculationMetrics]:
         from trtssd.sampling import SamplingParams
 
         # Drives the engine step by step (rather than LLM.generate) to time every emission.
@@ -64,7 +64,7 @@ class TrtssdRunner:
                 if n:
                     emissions[sid].append((now, n))
         wall = time.perf_counter() - start
-        metrics = SpecMetrics()
+        metrics = SpeculationMetrics()
         records = []
         for sid, pid, prompt in zip(seq_ids, ids, prompts):
             seq = engine.pop_finished(sid)

@@ -22,7 +22,7 @@ from trtssd.bench.report import (
 )
 from trtssd.bench.runners import HFRunner, LlamaCppRunner, SkipRun, TrtssdRunner
 from trtssd.models.tokenizer import load_tokenizer
-from trtssd.runtime.metrics import SpecMetrics
+from trtssd.runtime.metrics import SpeculationMetrics
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def run_cell(runner, key: RunKey, prompts: Sequence[list[int]], ids: Sequence[st
              progress=None) -> RunResult:
     """Every prompt of one dataset, in static batches of key.batch_size."""
     batches: list[BatchRecord] = []
-    spec: SpecMetrics | None = None
+    spec: SpeculationMetrics | None = None
     b = key.batch_size
     try:
         for start in range(0, len(prompts), b):
@@ -55,7 +55,7 @@ def run_cell(runner, key: RunKey, prompts: Sequence[list[int]], ids: Sequence[st
                                               cfg.seed + start)
             batches.append(batch)
             if metrics is not None:
-                spec = spec or SpecMetrics()
+                spec = spec or SpeculationMetrics()
                 spec.merge(metrics)
             if progress is not None:
                 progress.update(1)

@@ -17,7 +17,7 @@ ROUND_TIME_FIELDS = ("verify_time_s", "draft_wait_time_s", "round_time_s", "draf
 
 
 @dataclass
-class SpecMetrics:
+class SpeculationMetrics:
     num_drafts: int = 0  # rounds that verified a speculation
     num_draft_tokens: int = 0  # proposals verified
     num_accepted_tokens: int = 0  # proposals accepted and emitted (not those cut by a stop)
@@ -70,7 +70,7 @@ class SpecMetrics:
                 raise ValueError(f"{name} is not a round time; allowed: {ROUND_TIME_FIELDS}")
             setattr(self, name, getattr(self, name) + value)
 
-    def merge(self, other: "SpecMetrics", times: bool = True) -> None:
+    def merge(self, other: "SpeculationMetrics", times: bool = True) -> None:
         """Add another's counters, and its round times unless ``times`` is False (the loop's
         aggregate adds each round's times once, not once per request in it)."""
         for f in fields(self):

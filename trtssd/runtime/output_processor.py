@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Sequence as Seq
 
 from trtssd.runtime.detokenizer import IncrementalDetokenizer
-from trtssd.runtime.metrics import SpecMetrics
+from trtssd.runtime.metrics import SpeculationMetrics
 from trtssd.runtime.target_loop import Sequence, StepOutput
 from trtssd.sampling import TokenLogprob
 
@@ -47,7 +47,7 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finish_reason: str  # "stop", "length" or "abort"
-    spec: SpecMetrics  # this request's speculation counters
+    speculation: SpeculationMetrics  # this request's speculation counters
     ttft_s: float | None  # arrival -> first token (None when aborted before it)
     e2e_s: float  # arrival -> finished
     token_gaps_s: tuple[float, ...]  # between successive emissions (inter-token latency)
@@ -71,7 +71,7 @@ class RequestOutput:
     @property
     def metrics(self) -> dict:
         """The speculation summary with time to first token and end-to-end latency."""
-        out = self.spec.summary()
+        out = self.speculation.summary()
         out["ttft_s"] = None if self.ttft_s is None else round(self.ttft_s, 6)
         out["e2e_s"] = round(self.e2e_s, 6)
         return out
@@ -123,7 +123,8 @@ def request_output(seq: Sequence, text: OutputText, prompt: Prompt | None = None
     return RequestOutput(
         request_id=seq.request_id, prompt=list(seq.prompt) if prompt is None else prompt,
         prompt_token_ids=list(seq.prompt), token_ids=list(seq.output[:n]), text=text.text, finish_reason=reason,
-        spec=seq.metrics, ttft_s=None if first is None else first - seq.arrival, e2e_s=seq.finish_time - seq.arrival,
+        speculation=seq.metrics, ttft_s=None if first is None else first - seq.arrival,
+        e2e_s=seq.finish_time - seq.arrival,
         token_gaps_s=tuple(b - a for a, b in zip(seq.emit_times, seq.emit_times[1:])),
         logprobs=None if seq.params.logprobs is None else list(seq.logprobs[:n]),
         prompt_logprobs=None if seq.prompt_logprobs is None else list(seq.prompt_logprobs))

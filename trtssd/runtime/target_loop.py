@@ -32,7 +32,7 @@ from trtssd.backends.base import Executor, chain_chunk
 from trtssd.config import Mode, SpeculativeConfig
 from trtssd.runtime import protocol as P
 from trtssd.runtime.draft_client import DraftClient
-from trtssd.runtime.metrics import SpecMetrics
+from trtssd.runtime.metrics import SpeculationMetrics
 from trtssd.runtime.affinity import CoreLending
 from trtssd.runtime.round_choice import RoundChooser, speculation_ceiling
 from trtssd.runtime.speedup_model import CostCurve, calibrated_forwards
@@ -62,7 +62,7 @@ class Sequence:
     bonus: int | None = None  # last emitted token, not yet in the target's KV
     outcome: P.Outcome | None = None  # to report to the draft next round
     finish_reason: str | None = None
-    metrics: SpecMetrics = field(default_factory=SpecMetrics)
+    metrics: SpeculationMetrics = field(default_factory=SpeculationMetrics)
     arrival: float = field(default_factory=time.perf_counter)  # when the request was made
     emit_times: list[float] = field(default_factory=list)  # when each emission of tokens happened
     finish_time: float | None = None
@@ -184,7 +184,7 @@ class TargetLoop:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.finished: dict[int, Sequence] = {}
-        self.metrics = SpecMetrics()
+        self.metrics = SpeculationMetrics()
         self._ids = itertools.count()
         self._round = 0
         self._released: list[int] = []

@@ -28,7 +28,7 @@ FRACTION_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 LABELS = ("model_name", "engine")  # vLLM's, on every series
 ENGINE_INDEX = "0"  # the ``engine`` label: one engine per server
-# Misses by the backup that answered them: (label value, SpecMetrics field).
+# Misses by the backup that answered them: (label value, SpeculationMetrics field).
 BACKUPS = ((Source.NEURAL.value, "neural_backups"), (Source.FAST.value, "fast_backups"))
 
 
@@ -108,7 +108,7 @@ METRICS = (
            "1 when the draft was lost and the target decodes alone (ar), else 0."),
 )
 
-# Unlabelled counters that are the sum of the SpecMetrics field of the same name.
+# Unlabelled counters that are the sum of the SpeculationMetrics field of the same name.
 _SPEC_TOTALS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "cache_hits", "cache_misses",
                 "accepted_on_hit", "accepted_on_miss", "tree_branches", "degraded_rounds", "plain_rounds")
 
@@ -131,7 +131,7 @@ class RequestAdditions:
 
 
 def request_additions(record: RequestOutput) -> RequestAdditions:
-    m = record.spec
+    m = record.speculation
     increments = {("prompt_tokens", None): record.prompt_tokens, ("generation_tokens", None): record.completion_tokens,
                   ("request_success", record.finish_reason): 1}
     increments.update(((key, None), getattr(m, key)) for key in _SPEC_TOTALS)
@@ -142,7 +142,7 @@ def request_additions(record: RequestOutput) -> RequestAdditions:
 
 
 def _observations(record: RequestOutput) -> tuple[tuple[str, float], ...]:
-    m = record.spec
+    m = record.speculation
     out = [] if record.ttft_s is None else [("ttft", record.ttft_s)]  # None: aborted before its first token
     out += [("itl", gap) for gap in record.token_gaps_s]
     out.append(("e2e", record.e2e_s))

@@ -2,7 +2,7 @@
 prometheus_client, served at ``/metrics`` by `trtssd serve`.
 
 Everything is counted from the final records of the requests the server actually served (each
-request's own `SpecMetrics`), once per request, when it ends; gauges are read from the `AsyncLLM` at
+request's own `SpeculationMetrics`), once per request, when it ends; gauges are read from the `AsyncLLM` at
 scrape time. Each server has its own `CollectorRegistry`, so several servers in one process do not
 clash.
 """

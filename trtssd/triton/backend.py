@@ -143,7 +143,7 @@ class TritonModel:
             text = (job.prompt_text if job.prepend_input else "") + final.text
             token_ids, log_probs = final.token_ids, all_log_probs
         arrays = output_arrays(text, token_ids, final.prompt_tokens, final.completion_tokens, final.finish_reason,
-                               final.spec, log_probs, sum(all_log_probs or ()))
+                               final.speculation, log_probs, sum(all_log_probs or ()))
         self._send(request.sender, arrays, self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _check_cancelled(self, request: _Open) -> None:

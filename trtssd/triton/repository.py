@@ -25,7 +25,7 @@ from trtssd.build import default_engine
 from trtssd.config import RuntimeConfig, SpeculativeConfig, speculative_config
 from trtssd.models.engine_dir import is_engine_dir
 from trtssd.triton.model_options import ModelOptions
-from trtssd.triton.tensors import INPUTS, OUTPUTS, TensorSpec
+from trtssd.triton.tensors import INPUTS, OUTPUTS, TensorDef
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def environment_parameters() -> dict[str, str]:
     return values
 
 
-def _tensors(specs: tuple[TensorSpec, ...]) -> list[str]:
+def _tensors(specs: tuple[TensorDef, ...]) -> list[str]:
     lines = []
     for i, spec in enumerate(specs):
         dims = ", ".join(str(d) for d in spec.dims)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class TensorSpec:
+class TensorDef:
     name: str
     data_type: str  # config.pbtxt's TYPE_*
     dims: tuple[int, ...]  # without a batch dimension (max_batch_size is 0)
@@ -32,42 +32,42 @@ class TensorSpec:
 
 
 INPUTS = (
-    TensorSpec("text_input", "TYPE_STRING", (1,), False, "the prompt, as text"),
-    TensorSpec("stream", "TYPE_BOOL", (1,), True, "true: one response per round with only its new text"),
-    TensorSpec("sampling_parameters", "TYPE_STRING", (1,), True,
+    TensorDef("text_input", "TYPE_STRING", (1,), False, "the prompt, as text"),
+    TensorDef("stream", "TYPE_BOOL", (1,), True, "true: one response per round with only its new text"),
+    TensorDef("sampling_parameters", "TYPE_STRING", (1,), True,
                "JSON object as vLLM's backend takes it: temperature, top_p, top_k, min_p, max_tokens, "
                "seed, stop, stop_token_ids, ignore_eos, logprobs (checked; its alternatives are not returned)"),
-    TensorSpec("exclude_input_in_output", "TYPE_BOOL", (1,), True,
+    TensorDef("exclude_input_in_output", "TYPE_BOOL", (1,), True,
                "without streaming: false (default) puts the prompt before the generated text"),
-    TensorSpec("max_tokens", "TYPE_INT32", (1,), True, "most tokens to generate"),
-    TensorSpec("temperature", "TYPE_FP32", (1,), True, "0 = greedy"),
-    TensorSpec("top_p", "TYPE_FP32", (1,), True, "nucleus sampling mass; 1 = off"),
-    TensorSpec("top_k", "TYPE_INT32", (1,), True, "keep the k most likely tokens; 0 (or -1) = off"),
-    TensorSpec("min_p", "TYPE_FP32", (1,), True, "drop tokens below min_p x the top probability; 0 = off"),
-    TensorSpec("seed", "TYPE_UINT64", (1,), True, "per-request seed: the same request repeats its output"),
-    TensorSpec("stop_words", "TYPE_STRING", (-1,), True, "stop strings"),
-    TensorSpec("ignore_eos", "TYPE_BOOL", (1,), True, "keep generating past end-of-sequence (benchmarks)"),
-    TensorSpec("return_log_probs", "TYPE_BOOL", (1,), True,
+    TensorDef("max_tokens", "TYPE_INT32", (1,), True, "most tokens to generate"),
+    TensorDef("temperature", "TYPE_FP32", (1,), True, "0 = greedy"),
+    TensorDef("top_p", "TYPE_FP32", (1,), True, "nucleus sampling mass; 1 = off"),
+    TensorDef("top_k", "TYPE_INT32", (1,), True, "keep the k most likely tokens; 0 (or -1) = off"),
+    TensorDef("min_p", "TYPE_FP32", (1,), True, "drop tokens below min_p x the top probability; 0 = off"),
+    TensorDef("seed", "TYPE_UINT64", (1,), True, "per-request seed: the same request repeats its output"),
+    TensorDef("stop_words", "TYPE_STRING", (-1,), True, "stop strings"),
+    TensorDef("ignore_eos", "TYPE_BOOL", (1,), True, "keep generating past end-of-sequence (benchmarks)"),
+    TensorDef("return_log_probs", "TYPE_BOOL", (1,), True,
                "true: add output_log_probs and cum_log_probs to every response"),
 )
 
 OUTPUTS = (
-    TensorSpec("text_output", "TYPE_STRING", (-1,), False, "generated text (streaming: this response's new text)"),
-    TensorSpec("output_ids", "TYPE_INT32", (-1,), False, "generated token ids (streaming: this response's new ones)"),
-    TensorSpec("finish_reason", "TYPE_STRING", (-1,), False, "'stop' or 'length' in the last response, else ''"),
-    TensorSpec("num_input_tokens", "TYPE_UINT32", (1,), False, "prompt tokens"),
-    TensorSpec("num_output_tokens", "TYPE_UINT32", (-1,), False, "tokens generated so far"),
-    TensorSpec("acceptance_rate", "TYPE_FP32", (1,), False,
+    TensorDef("text_output", "TYPE_STRING", (-1,), False, "generated text (streaming: this response's new text)"),
+    TensorDef("output_ids", "TYPE_INT32", (-1,), False, "generated token ids (streaming: this response's new ones)"),
+    TensorDef("finish_reason", "TYPE_STRING", (-1,), False, "'stop' or 'length' in the last response, else ''"),
+    TensorDef("num_input_tokens", "TYPE_UINT32", (1,), False, "prompt tokens"),
+    TensorDef("num_output_tokens", "TYPE_UINT32", (-1,), False, "tokens generated so far"),
+    TensorDef("acceptance_rate", "TYPE_FP32", (1,), False,
                "accepted / proposed draft tokens over the request (last response; 0 before)"),
-    TensorSpec("total_accepted_draft_tokens", "TYPE_INT32", (1,), False, "draft tokens accepted (last response)"),
-    TensorSpec("total_draft_tokens", "TYPE_INT32", (1,), False, "draft tokens proposed (last response)"),
-    TensorSpec("cache_hit_rate", "TYPE_FP32", (1,), False,
+    TensorDef("total_accepted_draft_tokens", "TYPE_INT32", (1,), False, "draft tokens accepted (last response)"),
+    TensorDef("total_draft_tokens", "TYPE_INT32", (1,), False, "draft tokens proposed (last response)"),
+    TensorDef("cache_hit_rate", "TYPE_FP32", (1,), False,
                "SSD rounds answered from the speculation cache / SSD rounds (last response)"),
     # Only with return_log_probs (LOG_PROB_OUTPUTS). TensorRT-LLM's dims: [beams, tokens] and [beams].
-    TensorSpec("output_log_probs", "TYPE_FP32", (-1, -1), False,
+    TensorDef("output_log_probs", "TYPE_FP32", (-1, -1), False,
                "[1, n]: the log-probability of each token in output_ids, under the target's processed "
                "distribution"),
-    TensorSpec("cum_log_probs", "TYPE_FP32", (-1,), False, "[1]: their sum over the tokens generated so far"),
+    TensorDef("cum_log_probs", "TYPE_FP32", (-1,), False, "[1]: their sum over the tokens generated so far"),
 )
 
 # The outputs a response carries only when the request set return_log_probs.

@@ -15,16 +15,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from trtssd.runtime.metrics import SpecMetrics
+from trtssd.runtime.metrics import SpeculationMetrics
 
 
 def output_arrays(text: str, token_ids: tuple[int, ...] | list[int], prompt_tokens: int, output_tokens: int,
-                  finish_reason: str = "", spec: SpecMetrics | None = None, log_probs: Sequence[float] | None = None,
+                  finish_reason: str = "", spec: SpeculationMetrics | None = None, log_probs: Sequence[float] | None = None,
                   cum_log_prob: float = 0.0) -> dict[str, np.ndarray]:
     """``output_tokens``: generated so far; ``spec`` (the last response only): the request's
     speculation counters; ``log_probs`` (None: not asked for): one per token of ``token_ids``;
     ``cum_log_prob``: their sum over all tokens so far."""
-    spec = spec if spec is not None else SpecMetrics()
+    spec = spec if spec is not None else SpeculationMetrics()
     rounds = spec.cache_hits + spec.cache_misses
     arrays = {
         "text_output": np.array([text.encode("utf-8")], dtype=np.object_),

@@ -176,8 +176,7 @@ def reference_argmax_rule(logits, proposals, num_proposals, draft_probs, point_m
     match = (proposals == p[:, :k].argmax(-1)) & valid
     num_accepted = match.long().cumprod(-1).sum(-1)
     bonus = sample(p[torch.arange(len(p)), num_accepted], generators)
-    accepted = torch.arange(k)[None, :] < num_accepted[:, None]
-    return VerifyResult(num_accepted, bonus, accepted, num_proposals)
+    return VerifyResult(num_accepted, bonus)
 
 
 def test_reference_argmax_rule_is_detected():

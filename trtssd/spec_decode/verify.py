@@ -32,15 +32,11 @@ class VerifyResult:
 
     num_accepted:  [B] long, proposals accepted per row (0..num_proposals).
     bonus:         [B] long, the token the target emits after the accepted proposals.
-    accepted:      [B, K] bool, accepted[b, i] iff proposal i of row b was accepted.
-    num_proposals: [B] long, valid proposals per row (as passed in).
     Row b emits proposals[b, :num_accepted[b]] followed by bonus[b].
     """
 
     num_accepted: torch.Tensor
     bonus: torch.Tensor
-    accepted: torch.Tensor
-    num_proposals: torch.Tensor
 
 
 def verify(
@@ -91,13 +87,12 @@ def verify(
     ratio = torch.clamp(p_at_s / q_at_s, max=1.0)
     passes = (u[:, :k_max] < ratio) & valid
     num_accepted = passes.long().cumprod(dim=-1).sum(dim=-1)
-    accepted = positions[None, :] < num_accepted[:, None]
 
     bonus_dist = _bonus_distribution(p, draft_probs, tokens, num_accepted, num_proposals, deterministic)
     bonus = sample_with_uniforms(bonus_dist, u[:, k_max])
     # Greedy rows: the distribution above is already one-hot; take its argmax explicitly.
     bonus = torch.where(greedy, bonus_dist.argmax(dim=-1), bonus)
-    return VerifyResult(num_accepted, bonus, accepted, num_proposals)
+    return VerifyResult(num_accepted, bonus)
 
 
 def _bonus_distribution(

@@ -252,7 +252,8 @@ class AsyncLLM:
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
-            self._streams[out.seq_id]._call(self._streams[out.seq_id]._on_output, out)
+            stream = self._streams[out.seq_id]
+            stream._call(stream._on_output, out)
             if out.finished:
                 self._ended(self.loop.pop_finished(out.seq_id))
 

@@ -112,8 +112,7 @@ class RequestStream:
 
 @dataclass(frozen=True)
 class _Add:
-    seq: Sequence
-    stream: RequestStream
+    seq: Sequence  # its stream is already in AsyncLLM._streams
 
 
 @dataclass(frozen=True)
@@ -199,7 +198,7 @@ class AsyncLLM:
                                  f"(max_batch {self.loop.max_batch} running + max_waiting {self.max_waiting} "
                                  "queued); retry later")
             self._streams[seq.seq_id] = stream
-            self._commands.put(_Add(seq, stream))
+            self._commands.put(_Add(seq))
         return stream
 
     def shutdown(self, timeout_s: float = 30.0) -> None:

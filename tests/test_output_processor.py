@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from token_text import MIXED_TEXT, CountingTokenizer, one_token, token_ids
 from trtssd.config import SpeculativeConfig
-from trtssd.runtime.output_processor import OutputText
+from trtssd.runtime.output_processor import OutputText, request_output
 from trtssd.runtime.target_loop import Sequence, TargetLoop
 from trtssd.sampling import SamplingParams
 
@@ -121,3 +121,14 @@ def test_work_per_token_stays_bounded_in_the_output_processor(smollm2):
     assert got.text == MIXED_TEXT * 40 and len(ids) > 1000
     assert counting.longest <= 8  # a window of a few tokens, however long the output
     assert counting.calls <= 2 * len(ids) + 2 and counting.ids_decoded <= 8 * len(ids)
+
+
+def test_the_record_counts_the_prompt_tokens_the_prefix_cache_gave(smollm2):
+    F, A = (one_token(smollm2, c) for c in "FA")
+    for cached in (0, 3):  # 0: no prefix caching
+        seq = Sequence(0, "r", [1, 2, 3, 4], SamplingParams(max_tokens=2), None, num_cached_tokens=cached)
+        seq.output, seq.finish_reason, seq.finish_time = [F, A], "length", seq.arrival + 1.0
+        record = request_output(seq, OutputText(smollm2))
+        assert record.num_cached_tokens == cached
+        assert record.usage["prompt_tokens_details"] == {"cached_tokens": cached}
+    assert Sequence(1, "r", [1], SamplingParams(), None).num_cached_tokens == 0

@@ -88,7 +88,9 @@ def test_completion_text_usage_and_token_ids(served, client):
     prompt_ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
     assert out["prompt_token_ids"] == prompt_ids
     n = len(prompt_ids)
-    assert out["usage"] == {"prompt_tokens": n, "completion_tokens": 8, "total_tokens": n + 8}
+    # cached_tokens: prompt tokens the prefix cache gave, where OpenAI reports them (none here).
+    assert out["usage"] == {"prompt_tokens": n, "completion_tokens": 8, "total_tokens": n + 8,
+                            "prompt_tokens_details": {"cached_tokens": 0}}
     assert scrape(client, "vllm:generation_tokens_total") - before == 8
 
 
@@ -104,6 +106,7 @@ def test_streaming_gives_the_same_answer_as_non_streaming(served, client, path):
     assert streamed.done and streamed.error is None
     assert streamed.text == text and streamed.finish_reason == choice["finish_reason"]
     assert streamed.usage == whole["usage"] and whole["usage"]["completion_tokens"] == 12
+    assert whole["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     *deltas, last = streamed.chunks
     assert last["choices"] == [] and all(c["usage"] is None for c in deltas)
     if "chat" in path:

@@ -70,7 +70,8 @@ def _check_whole(body: dict, got: Streamed) -> None:
     """Nothing lost or truncated: [DONE] after a finish reason, and the usage counts the tokens."""
     assert got.done and got.error is None
     assert got.usage == {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(got.token_ids),
-                         "total_tokens": len(body["prompt"]) + len(got.token_ids)}
+                         "total_tokens": len(body["prompt"]) + len(got.token_ids),
+                         "prompt_tokens_details": {"cached_tokens": 0}}
     if got.finish_reason == "length":
         assert len(got.token_ids) == body["max_tokens"]
     else:

@@ -34,11 +34,8 @@ class CudaIpcHandles:
 
 
 class CudaIpcBuffers:
-    """`RoundBuffers` (trtssd/runtime/transport.py) in device memory of the draft's GPU.
-
-    Unverified: never run on a GPU. Make it with ``create`` on the draft (the owner) and
-    ``attach`` on the target.
-    """
+    """`RoundBuffers` (trtssd/runtime/transport.py) in device memory of the draft's GPU: made with
+    ``create`` on the draft (the owner) and ``attach`` on the target."""
 
     def __init__(self, layout: BufferLayout, tokens: torch.Tensor, probs: torch.Tensor,
                  events: list[torch.cuda.Event], owner: bool):

@@ -114,10 +114,9 @@ class IncrementalDetokenizer:
         candidate = self._held + released
         # Look into the tentative text too, so the stop is found at the token that completes it
         # even when a later incomplete character holds the decoder's text back.
-        hit = first_stop(candidate + tentative, self._stops)
-        if hit is not None:
-            start, self.stop_string = hit
-            return self._send((candidate + tentative)[:start], "")
+        cut = self._until_stop(candidate + tentative)
+        if cut is not None:
+            return self._send(cut, "")
         keep = len(candidate) - held_back(candidate, self._stops)
         return self._send(candidate[:keep], candidate[keep:])
 
@@ -127,11 +126,17 @@ class IncrementalDetokenizer:
             return ""
         candidate = self._held + self._decoder.flush()
         # A stop found only now is one that the incomplete character's U+FFFD took part in.
-        hit = first_stop(candidate, self._stops)
-        if hit is not None:
-            start, self.stop_string = hit
-            candidate = candidate[:start]
-        return self._send(candidate, "")
+        cut = self._until_stop(candidate)
+        return self._send(candidate if cut is None else cut, "")
+
+    def _until_stop(self, text: str) -> str | None:
+        """``text`` before the stop string that starts first in it (which ends the sequence), or
+        None when it holds none."""
+        hits = [(text.find(stop), stop) for stop in self._stops if stop in text]
+        if not hits:
+            return None
+        start, self.stop_string = min(hits, key=lambda hit: hit[0])
+        return text[:start]
 
     def _send(self, delta: str, held: str) -> str:
         self._held = held
@@ -140,23 +145,8 @@ class IncrementalDetokenizer:
         return delta
 
 
-def first_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
-    """(start, stop string) of the stop string that starts first in text, or None."""
-    best = None
-    for stop in stops:
-        start = text.find(stop)
-        if start != -1 and (best is None or start < best[0]):
-            best = (start, stop)
-    return best
-
-
 def held_back(text: str, stops: tuple[str, ...]) -> int:
     """Length of the longest end of text that is the beginning of a stop string (which the next
     tokens could complete)."""
-    longest = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:n]):
-                longest = n
-                break
-    return longest
+    ends = [n for stop in stops for n in range(1, min(len(stop), len(text) + 1)) if text.endswith(stop[:n])]
+    return max(ends, default=0)

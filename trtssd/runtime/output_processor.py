@@ -51,6 +51,7 @@ class RequestOutput:
     ttft_s: float | None  # arrival -> first token (None when aborted before it)
     e2e_s: float  # arrival -> finished
     token_gaps_s: tuple[float, ...]  # between successive emissions (inter-token latency)
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not prefilled)
     logprobs: list[TokenLogprob] | None = None  # one per token when SamplingParams.logprobs is set
     # One per prompt token, the first None (nothing scores it), when SamplingParams.prompt_logprobs is set.
     prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -66,7 +67,8 @@ class RequestOutput:
     @property
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
 
     @property
     def metrics(self) -> dict:
@@ -94,24 +96,22 @@ class OutputText:
         """The delta of one step's output; None once a stop string has ended the output."""
         if self.stop_at is not None:
             return None
+        detokenizer = self._detokenizer
         texts: list[str] = []
         for tok in out.new_token_ids:
-            texts.append(self._detokenizer.add(tok) if self._detokenizer is not None else "")
-            self.num_tokens += 1
-            if self._stopped():
+            texts.append(detokenizer.add(tok) if detokenizer is not None else "")
+            if detokenizer is not None and detokenizer.stop_string is not None:
                 break
-        if out.finished and self.stop_at is None and texts:
-            texts[-1] += self._detokenizer.finish() if self._detokenizer is not None else ""
-            self._stopped()  # a stop string that needed the held-back incomplete character
+        self.num_tokens += len(texts)
+        if detokenizer is not None:
+            if out.finished and detokenizer.stop_string is None and texts:
+                # The held-back text; a stop string may complete only with its incomplete character.
+                texts[-1] += detokenizer.finish()
+            if detokenizer.stop_string is not None:
+                self.stop_at = self.num_tokens
         kept = len(texts)
         return Delta(tuple(out.new_token_ids[:kept]), "".join(texts), tuple(texts), tuple(out.logprobs[:kept]),
                      self.stop_at, out.prompt_logprobs)
-
-    def _stopped(self) -> bool:
-        if self._detokenizer is None or self._detokenizer.stop_string is None:
-            return False
-        self.stop_at = self.num_tokens
-        return True
 
 
 def request_output(seq: Sequence, text: OutputText, prompt: Prompt | None = None) -> RequestOutput:
@@ -126,5 +126,6 @@ def request_output(seq: Sequence, text: OutputText, prompt: Prompt | None = None
         speculation=seq.metrics, ttft_s=None if first is None else first - seq.arrival,
         e2e_s=seq.finish_time - seq.arrival,
         token_gaps_s=tuple(b - a for a, b in zip(seq.emit_times, seq.emit_times[1:])),
+        num_cached_tokens=seq.num_cached_tokens,
         logprobs=None if seq.params.logprobs is None else list(seq.logprobs[:n]),
         prompt_logprobs=None if seq.prompt_logprobs is None else list(seq.prompt_logprobs))

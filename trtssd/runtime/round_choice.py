@@ -134,8 +134,8 @@ class RoundChooser:
             # A try goes on until its rounds are measured; under a stream of arrivals they may
             # never be steady, and a try of the slower choice must not run for good.
             # A try of plain rounds waits out the draft's busy spell, which is bounded.
-            if (b.try_spent <= self._try_rounds(b.trying, batch) + self.max_unsteady or b.choice is None
-                    or not b.trying):
+            measured_rounds = -(-self._try_rows(b.trying) // batch)
+            if b.try_spent <= measured_rounds + self.max_unsteady or b.choice is None or not b.trying:
                 return b.trying
             self._end_try(b, batch)
         b.since_probe += 1
@@ -247,10 +247,6 @@ class RoundChooser:
         """Rows a try of a choice measures."""
         return self.speculative_try_rows if speculative else self.plain_try_rows
 
-    def _try_rounds(self, speculative: bool, batch: int) -> int:
-        """Measured rounds a try of a choice takes at a batch size."""
-        return -(-self._try_rows(speculative) // batch)
-
     def _start_try(self, b: _BatchSize, speculative: bool) -> bool:
         b.trying, b.try_left, b.try_spent = speculative, self._try_rows(speculative), 0
         b.try_s[speculative] = 0.0
@@ -271,10 +267,6 @@ class RoundChooser:
 
     def _inferred(self, batch: int) -> bool | None:
         """The choice borrowed from measured neighbours (see the module docstring), or None."""
-        smaller = [s for s in self._by_batch if s < batch and self.choice(s) is False]
-        larger = [s for s in self._by_batch if s > batch and self.choice(s) is True]
-        if smaller and not larger:
-            return False
-        if larger and not smaller:
-            return True
-        return None
+        plain_below = any(s < batch and self.choice(s) is False for s in self._by_batch)
+        speculative_above = any(s > batch and self.choice(s) is True for s in self._by_batch)
+        return None if plain_below == speculative_above else speculative_above  # none, or contradicting

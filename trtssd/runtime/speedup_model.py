@@ -138,7 +138,7 @@ class CostCurve:
         return max(s1 + (s1 - s0) * (tokens - n1) / (n1 - n0), s1)
 
     def to_dict(self) -> dict[str, float]:
-        return {_fmt_tokens(n): s for n, s in self.points}
+        return {str(int(n)) if n.is_integer() else str(n): s for n, s in self.points}
 
 
 class StepCostModel:
@@ -172,10 +172,6 @@ class StepCostModel:
     def curve(self) -> CostCurve:
         """The current prediction as a plain curve (for `Timings`)."""
         return CostCurve(tuple((n, s * self.scale) for n, s in self._shape.points))
-
-
-def _fmt_tokens(n: float) -> str:
-    return str(int(n)) if float(n).is_integer() else str(n)
 
 
 @dataclass(frozen=True)
@@ -225,22 +221,18 @@ class Timings:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "Timings":
-        allowed = {"name", "target", "draft", "tree", "handshake_s", "overhead_s", "fast_backup_s"}
+        allowed = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - allowed
         if unknown:
             raise ValueError(f"unknown timings field(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
         for required in ("target", "draft"):
             if required not in data:
                 raise ValueError(f"timings need a {required!r} cost curve ({{tokens: seconds}})")
-        return cls(
-            target=CostCurve.from_mapping(data["target"], "target"),
-            draft=CostCurve.from_mapping(data["draft"], "draft"),
-            tree=CostCurve.from_mapping(data["tree"], "tree") if data.get("tree") is not None else None,
-            handshake_s=data.get("handshake_s", 0.0),
-            overhead_s=data.get("overhead_s", 0.0),
-            fast_backup_s=data.get("fast_backup_s", 0.0),
-            name=str(data.get("name", "unnamed")),
-        )
+        fields = {**data, "name": str(data.get("name", "unnamed"))}
+        for curve in ("target", "draft", "tree"):
+            if fields.get(curve) is not None:
+                fields[curve] = CostCurve.from_mapping(fields[curve], curve)
+        return cls(**fields)
 
 
 # --- timing forwards -----------------------------------------------------------------------------
@@ -297,15 +289,6 @@ def _tree_layout(seq_id: int, context: int, k: int, branches: int) -> TreeLayout
     return TreeLayout(seq_id, context, k, torch.arange(branches) % (k + 1), torch.ones(branches, dtype=torch.long))
 
 
-def _write_tree_before_middle(executor: Executor, seq_id: int, context: int, k: int, branches: int) -> None:
-    """Write the glue and the tree steps before the middle one, so the middle step sees written
-    KV (an engine that owns its cache, such as llama.cpp, refuses to attend to unwritten slots)."""
-    layout = _tree_layout(seq_id, context, k, branches)
-    executor.forward([chain_chunk(seq_id, [1] * (k + 1), context)])
-    for step in range((k - 1) // 2):
-        executor.forward([layout.step_chunk(step, torch.ones(branches, dtype=torch.long))])
-
-
 def time_tree_steps(executor: Executor, k: int, max_branches: int = 64, context: int = 128,
                     repeats: int = 3) -> dict[int, float]:
     """{branches: seconds} of tree steps of 1, 2, 4, ... branches of one sequence. A tree step
@@ -313,12 +296,18 @@ def time_tree_steps(executor: Executor, k: int, max_branches: int = 64, context:
     of the Qwen2.5-Coder-0.5B draft: 1.5-2.5x a 12-row chain extrapolated, in two calibrations):
     a tree priced as chain forwards looks cheaper than it is, and the auto fan-out grows it past
     the verify window."""
-    _check_k(k)
+    _check_int(k, "k")
     context, sizes = _timing_sizes(executor, max_branches, context, lambda branches: k + 1 + k * branches)
     with scratch_sequences(executor, 1, context) as (sid,):
         times = {}
         for n in sizes:
-            _write_tree_before_middle(executor, sid, context, k, n)
+            # The glue and the tree steps before the middle one are written first, so the middle
+            # step sees written KV (an engine that owns its cache, such as llama.cpp, refuses to
+            # attend to unwritten slots).
+            layout = _tree_layout(sid, context, k, n)
+            executor.forward([chain_chunk(sid, [1] * (k + 1), context)])
+            for step in range((k - 1) // 2):
+                executor.forward([layout.step_chunk(step, torch.ones(n, dtype=torch.long))])
             times[n] = time_forward(executor, [middle_tree_step(sid, context, k, n)], repeats)
         return times
 
@@ -378,17 +367,20 @@ def calibration_key_fields(executor: Executor, **settings: Any) -> dict:
     }
 
 
-def calibration_key(fields: Mapping[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:20]
+def _calibration_path(fields: Mapping[str, Any]) -> Path | None:
+    folder = calibration_cache_dir()
+    if folder is None:
+        return None
+    key = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    return folder / f"{key}.json"
 
 
 def load_calibration(fields: Mapping[str, Any]) -> dict[str, dict[int, float]] | None:
     """The stored {"chain": {rows: s}, "tree": {branches: s}} for these fields, or None (not
     stored, caching off, or an unreadable file, which the next store replaces)."""
-    folder = calibration_cache_dir()
-    if folder is None:
+    path = _calibration_path(fields)
+    if path is None:
         return None
-    path = folder / f"{calibration_key(fields)}.json"
     try:
         data = json.loads(path.read_text())
         return {part: {int(n): float(s) for n, s in data[part].items()} for part in ("chain", "tree")}
@@ -402,19 +394,18 @@ def load_calibration(fields: Mapping[str, Any]) -> dict[str, dict[int, float]] |
 def store_calibration(fields: Mapping[str, Any], chain: Mapping[int, float], tree: Mapping[int, float]) -> Path | None:
     """Keep a calibration for the next start (written whole or not at all); None when caching is
     off or the directory is not writable (a start then only costs the timing again)."""
-    folder = calibration_cache_dir()
-    if folder is None:
+    path = _calibration_path(fields)
+    if path is None:
         return None
-    path = folder / f"{calibration_key(fields)}.json"
     record = {"measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "fields": fields, "chain": dict(chain), "tree": dict(tree)}
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.partial")
         partial.write_text(json.dumps(record, indent=1, default=str) + "\n")
         os.replace(partial, path)
     except OSError as err:
-        log.warning("could not store the calibration in %s: %s", folder, err)
+        log.warning("could not store the calibration in %s: %s", path.parent, err)
         return None
     return path
 
@@ -549,24 +540,19 @@ class Prediction:
         }
 
 
-def _check_batch(b: int) -> None:
-    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-        raise ValueError(f"batch_size must be an int >= 1; got {b!r}")
-
-
-def _check_k(k: int) -> None:
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be an int >= 1; got {k!r}")
+def _check_int(value: int, name: str, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
 
 
 def predict_ar(t: Timings, batch_size: int = 1) -> Prediction:
-    _check_batch(batch_size)
+    _check_int(batch_size, "batch_size")
     return Prediction("ar", batch_size, None, None, None, None, 1.0, t.overhead_s + t.target_step(batch_size), None)
 
 
 def predict_sd(t: Timings, w: Workload, k: int, batch_size: int = 1) -> Prediction:
-    _check_batch(batch_size)
-    _check_k(k)
+    _check_int(batch_size, "batch_size")
+    _check_int(k, "k")
     round_s = t.overhead_s + t.handshake_s + k * t.draft_step(batch_size) + t.verify(k, batch_size)
     return Prediction("sd", batch_size, k, None, None, None, expected_tokens(w.acceptance, k), round_s, None)
 
@@ -575,12 +561,11 @@ def predict_ssd(t: Timings, w: Workload, k: int, budget: int, batch_size: int = 
                 fanout: Sequence[int] | None = None) -> Prediction:
     """SSD with one backup policy. h is the workload's, or the fan-out model's when not given
     (fan-out ``fanout`` if given, else the optimal one for ``budget``)."""
-    _check_batch(batch_size)
-    _check_k(k)
+    _check_int(batch_size, "batch_size")
+    _check_int(k, "k")
     if backup not in BACKUPS:
         raise ValueError(f"backup must be one of {BACKUPS}; got {backup!r}")
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-        raise ValueError(f"budget must be an int >= 0; got {budget!r}")
+    _check_int(budget, "budget", minimum=0)
     fan = None
     h = w.hit_rate
     if h is None:
@@ -648,7 +633,7 @@ class Recommendation:
     @property
     def best(self) -> Prediction:
         """The fastest of ar, the best sd and the best ssd."""
-        return max((self.ssd, self.sd, self.ar), key=lambda p: p.tokens_per_s)
+        return _fastest((self.ssd, self.sd, self.ar))
 
     @property
     def ssd_speedup_over_ar(self) -> float:

@@ -3,19 +3,14 @@
 - `Channel`: small control messages over MPI. Waiting polls with `Iprobe` and sleeps between
   polls, because a blocking MPI receive busy-polls a whole core (on a 2-core machine that is
   the core the other rank computes on).
-- `RoundBuffers`: the interface of the bulk rows (proposal tokens [B, K] and q' rows [B, K, V]),
-  two buffers so the draft can write round t+1 while the target still reads round t. The draft
-  writes a round's rows into ``tokens(b)`` / ``probs(b)`` and calls ``publish(b)`` before its
-  reply; the target calls ``receive(b, ...)`` after the reply and gets rows it may use until
-  its next request. Two implementations:
+- `RoundBuffers`: the bulk rows of a round, in two buffers so the draft can write round t+1 while
+  the target still reads round t. Two implementations:
   - `SharedBuffers` (here): shared host memory. Backed by an MPI-3 shared-memory window when
     both ranks share one MPI job (``mpiexec -n 2``), or by POSIX shared memory when the draft is
     its own MPI job connected through an MPI port (the API's launch mode: MPICH kills every rank
-    of a job when one dies, so a separate job is what lets the target survive its draft). The
-    MPI reply itself orders the writes before the reads, so publish does nothing.
+    of a job when one dies, so a separate job is what lets the target survive its draft).
   - `CudaIpcBuffers` (trtssd/runtime/cuda_ipc.py): a device buffer on the draft's GPU that the
-    target maps once at start-up, with one interprocess CUDA event per buffer (unverified:
-    never run on a GPU).
+    target maps once at start-up (unverified: never run on a GPU).
 """
 
 from __future__ import annotations
@@ -90,15 +85,12 @@ class Channel:
                 raise PeerLost(f"rank {self.peer} exited")
             # A short spin first keeps the hand-off latency low when the answer is imminent; a
             # long wait (a draft idle through plain rounds) polls less often, since each wake-up
-            # takes a slice of a core the target may be borrowing (trtssd/runtime/affinity.py).
+            # takes a slice of a core the target may be borrowing (trtssd/runtime/affinity.py):
+            # a message is noticed within a fiftieth of the wait so far.
             if spins > 20:
-                time.sleep(self._interval(time.monotonic() - start))
+                waited_s = time.monotonic() - start
+                time.sleep(min(MAX_POLL_INTERVAL_S, max(self.poll_interval_s, waited_s / 50)))
         return self.comm.recv(source=self.peer, tag=tag)
-
-    def _interval(self, waited_s: float) -> float:
-        """The sleep between polls after waiting ``waited_s``: a message is noticed within a
-        fiftieth of the wait so far (at least ``poll_interval_s``, at most MAX_POLL_INTERVAL_S)."""
-        return min(MAX_POLL_INTERVAL_S, max(self.poll_interval_s, waited_s / 50))
 
 
 class RoundBuffers(Protocol):
@@ -125,10 +117,6 @@ class RoundBuffers(Protocol):
         """Release what this side created or mapped."""
 
 
-def _buffer_bytes(layout: BufferLayout) -> int:
-    return layout.max_batch * layout.k * (8 + 4 * layout.vocab_size)
-
-
 class SharedBuffers:
     """`RoundBuffers` in shared host memory: two buffers of [tokens int64 [B, K] | probs fp32
     [B, K, V]]."""
@@ -138,19 +126,15 @@ class SharedBuffers:
         self._buffer = buffer
         self._cleanup = owner_cleanup
         B, K, V = layout.max_batch, layout.k, layout.vocab_size
-        size = _buffer_bytes(layout)
-        self._tokens = []
-        self._probs = []
-        for index in range(2):
-            base = index * size
-            self._tokens.append(torch.frombuffer(buffer, dtype=torch.int64, count=B * K, offset=base).view(B, K))
-            self._probs.append(
-                torch.frombuffer(buffer, dtype=torch.float32, count=B * K * V, offset=base + B * K * 8).view(B, K, V)
-            )
+        bases = (0, self.nbytes(layout) // 2)
+        self._tokens = [torch.frombuffer(buffer, dtype=torch.int64, count=B * K, offset=base).view(B, K)
+                        for base in bases]
+        self._probs = [torch.frombuffer(buffer, dtype=torch.float32, count=B * K * V, offset=base + B * K * 8)
+                       .view(B, K, V) for base in bases]
 
     @staticmethod
     def nbytes(layout: BufferLayout) -> int:
-        return 2 * _buffer_bytes(layout)
+        return 2 * layout.max_batch * layout.k * (8 + 4 * layout.vocab_size)
 
     def tokens(self, buffer: int) -> torch.Tensor:
         return self._tokens[buffer]

@@ -17,7 +17,6 @@ import asyncio
 import logging
 import queue
 import threading
-from dataclasses import dataclass
 
 from trtssd.llm import LLM
 from trtssd.runtime.affinity import pin_thread
@@ -81,7 +80,7 @@ class RequestStream:
 
     def abort(self) -> None:
         if self.final is None:
-            self._server._commands.put(_Abort(self._seq_id))
+            self._server._command(self._server.loop.abort, self._seq_id)
 
     # --- from the loop thread ------------------------------------------------------------------
 
@@ -97,40 +96,18 @@ class RequestStream:
         delta = self._text.add(out)
         if delta is None:
             return  # past a stop string: the loop is being told
-        if delta.stop_at is not None:
-            self._server._commands.put(_StopAt(self._seq_id, delta.stop_at))
+        if delta.stop_at is not None:  # a stop string ended the output: the loop ends the sequence there
+            self._server._command(self._server.loop.stop, self._seq_id, delta.stop_at)
         self._items.put_nowait(delta)
 
     def _on_finished(self, seq: Sequence) -> None:
         record = request_output(seq, self._text)
-        self._server._finished(record)
+        if self._server.on_finished is not None:
+            try:
+                self._server.on_finished(record)
+            except Exception:  # noqa: BLE001 - metrics must never take serving down
+                log.exception("on_finished callback failed")
         self._items.put_nowait(record)
-
-    def _on_failure(self, err: BaseException) -> None:
-        self._items.put_nowait(err)
-
-
-@dataclass(frozen=True)
-class _Add:
-    seq: Sequence  # its stream is already in AsyncLLM._streams
-
-
-@dataclass(frozen=True)
-class _Abort:
-    seq_id: int
-
-
-@dataclass(frozen=True)
-class _StopAt:
-    """A stop string ended the sequence's output after ``num_tokens`` tokens."""
-
-    seq_id: int
-    num_tokens: int
-
-
-@dataclass(frozen=True)
-class _Shutdown:
-    pass
 
 
 class AsyncLLM:
@@ -153,7 +130,7 @@ class AsyncLLM:
         self.max_waiting = max_waiting
         self.on_finished = on_finished
         self.failure: str | None = None  # why the loop stopped; None while it serves
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # (fn, args) for the loop thread; None: stop
         self._lock = threading.Lock()  # guards _streams and the dead/alive switch with submit
         self._streams: dict[int, RequestStream] = {}  # accepted and not finished: running + waiting
         self._thread = threading.Thread(target=self._run, name="trtssd-loop", daemon=True)
@@ -198,22 +175,18 @@ class AsyncLLM:
                                  f"(max_batch {self.loop.max_batch} running + max_waiting {self.max_waiting} "
                                  "queued); retry later")
             self._streams[seq.seq_id] = stream
-            self._commands.put(_Add(seq))
+            self._command(self.loop.add, seq)
         return stream
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the loop thread; requests still pending get `LoopStopped`."""
         if self._started and self._thread.is_alive():
-            self._commands.put(_Shutdown())
+            self._commands.put(None)
             self._thread.join(timeout_s)
 
-    def _finished(self, record: RequestOutput) -> None:
-        """On the request's event loop, once its record is made."""
-        if self.on_finished is not None:
-            try:
-                self.on_finished(record)
-            except Exception:  # noqa: BLE001 - metrics must never take serving down
-                log.exception("on_finished callback failed")
+    def _command(self, fn, *args) -> None:
+        """Have the loop thread call ``fn(*args)`` between steps (a sequence it returns has ended)."""
+        self._commands.put((fn, args))
 
     # --- the loop thread -------------------------------------------------------------------------
 
@@ -232,22 +205,17 @@ class AsyncLLM:
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one when idle). False once told to shut down."""
         try:
-            command = self._commands.get() if block else self._commands.get_nowait()
+            command = self._commands.get(block=block)
         except queue.Empty:
             return True
-        while True:
-            if isinstance(command, _Shutdown):
-                return False
-            if isinstance(command, _Add):
-                self.loop.add(command.seq)
-            elif isinstance(command, _Abort):
-                self._ended(self.loop.abort(command.seq_id))
-            else:
-                self._ended(self.loop.stop(command.seq_id, command.num_tokens))
+        while command is not None:
+            fn, args = command
+            self._ended(fn(*args))
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return True
+        return False
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
@@ -271,6 +239,6 @@ class AsyncLLM:
             pending = list(self._streams.values())
             self._streams.clear()
         for stream in pending:
-            stream._call(stream._on_failure, LoopStopped(reason))
+            stream._call(stream._items.put_nowait, LoopStopped(reason))
         if pending:
             log.warning("%s: failed %d pending request(s)", reason, len(pending))

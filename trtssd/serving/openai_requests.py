@@ -167,10 +167,10 @@ class _Common(_Body):
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
         prompt = self.prompt_ids(model)
-        echo = self.echoes()
+        echoed = self.echoed_prompt(prompt, model)
         logprobs = self.logprobs_count()
         # Echoed logprobs cover the prompt too: the prompt is scored with as many alternatives.
-        scored = [n for n in (self.prompt_logprobs, logprobs if echo else None) if n is not None]
+        scored = [n for n in (self.prompt_logprobs, logprobs if echoed is not None else None) if n is not None]
         try:
             params = SamplingParams(
                 max_tokens=self.output_length(prompt, model), temperature=self.temperature, top_p=self.top_p,
@@ -184,14 +184,12 @@ class _Common(_Body):
         # The engine's length error names "max_tokens": the user may have sent it by another name.
         sent = [name for name in ("max_completion_tokens", "max_tokens") if name in self.model_fields_set]
         return GenerationRequest(self.endpoint, prompt, params, self.stream, include_usage, self.return_token_ids,
-                                 sent[0] if sent else None, echo, self.prompt_text(prompt, model) if echo else "",
-                                 logprobs, self.prompt_logprobs)
+                                 sent[0] if sent else None, echoed is not None, echoed or "", logprobs,
+                                 self.prompt_logprobs)
 
-    def echoes(self) -> bool:
-        return False
-
-    def prompt_text(self, prompt: list[int], model: ModelInfo) -> str:
-        return ""
+    def echoed_prompt(self, prompt: list[int], model: ModelInfo) -> str | None:
+        """The prompt's text when the answer starts with it (a completion's echo), else None."""
+        return None
 
 
 class CompletionRequest(_Common):
@@ -214,9 +212,7 @@ class CompletionRequest(_Common):
     best_of: Optional[Literal[1]] = Field(None, description=f"1 {OFF}")
 
     def prompt_ids(self, model: ModelInfo) -> list[int]:
-        prompt = self.prompt
-        if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one: ["text"] or [[ids]]
+        prompt = self._one_prompt()
         if isinstance(prompt, list):
             return list(prompt)
         if model.tokenizer is None:
@@ -229,16 +225,19 @@ class CompletionRequest(_Common):
     def logprobs_count(self) -> int | None:
         return self.logprobs
 
-    def echoes(self) -> bool:
-        return self.echo
-
-    def prompt_text(self, prompt: list[int], model: ModelInfo) -> str:
-        """The prompt as echoed: the text as sent; token ids decoded (nothing without a tokenizer)."""
-        sent = self.prompt[0] if isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list)) \
-            else self.prompt
+    def echoed_prompt(self, prompt: list[int], model: ModelInfo) -> str | None:
+        """The text as sent; token ids decoded (nothing without a tokenizer)."""
+        if not self.echo:
+            return None
+        sent = self._one_prompt()
         if isinstance(sent, str):
             return sent
         return "" if model.tokenizer is None else model.tokenizer.decode(prompt)
+
+    def _one_prompt(self) -> str | list[int]:
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list)):
+            return self.prompt[0]  # a batch of one: ["text"] or [[ids]]
+        return self.prompt
 
 
 class ChatCompletionRequest(_Common):

@@ -6,10 +6,10 @@ completion has ``choices[0].text``, a chat completion ``choices[0].message``; st
 ``"usage": null`` and one more chunk with ``"choices": []`` carries the usage. Streams end with
 ``data: [DONE]``.
 
-Logprobs, when asked for, come in each API's own shape (`Logprobs`): a completion's
-``{tokens, token_logprobs, top_logprobs, text_offset}`` (the top dict holds the chosen token too,
-as vLLM's does, so lm-evaluation-harness can tell greedy tokens), a chat's ``{content: [{token,
-logprob, bytes, top_logprobs}]}``; a stream's chunks carry their own tokens' entries.
+Logprobs, when asked for, come in each API's own shape: a completion's ``{tokens,
+token_logprobs, top_logprobs, text_offset}`` (the top dict holds the chosen token too, as vLLM's
+does, so lm-evaluation-harness can tell greedy tokens), a chat's ``{content: [{token, logprob,
+bytes, top_logprobs}]}``; a stream's chunks carry their own tokens' entries.
 
 A completion with ``echo`` starts its text with the prompt's, and its logprobs (when asked) with
 the prompt's tokens: the first one's logprob and top_logprobs null, as OpenAI and vLLM send them
@@ -24,170 +24,150 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
+from trtssd.runtime.output_processor import Delta, RequestOutput
 from trtssd.sampling import TokenLogprob
-from trtssd.runtime.output_processor import RequestOutput
-from trtssd.serving.openai_requests import GenerationRequest, Endpoint
+from trtssd.serving.openai_requests import Endpoint, GenerationRequest
 
 DONE = "data: [DONE]\n\n"
-
-
-@dataclass(frozen=True)
-class ResponseHeader:
-    """The fields every response and chunk of one request repeats."""
-
-    id: str
-    created: int
-    model: str
-    endpoint: Endpoint
-
-    @classmethod
-    def new(cls, endpoint: Endpoint, model: str) -> "ResponseHeader":
-        prefix = "chatcmpl" if endpoint is Endpoint.CHAT else "cmpl"
-        return cls(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model, endpoint)
-
-    def fields(self, chunk: bool) -> dict:
-        if self.endpoint is Endpoint.CHAT:
-            obj = "chat.completion.chunk" if chunk else "chat.completion"
-        else:
-            obj = "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-
-class Logprobs:
-    """One request's logprobs in its API's shape, chunk after chunk (a completion's
-    ``text_offset`` runs on across a stream). ``token_text`` decodes one token id."""
-
-    def __init__(self, endpoint: Endpoint, token_text: Callable[[int], str], num_top: int | None = None):
-        self.endpoint = endpoint
-        self.token_text = token_text
-        # Alternatives per token: the request's logprobs (an echoed prompt may be scored with more).
-        self.num_top = num_top
-        self.offset = 0  # characters of token text before the next token (text_offset)
-
-    def payload(self, entries: Sequence[TokenLogprob]) -> dict:
-        if self.endpoint is Endpoint.CHAT:
-            return {"content": [{**self._chat_item(e.token_id, e.logprob),
-                                 "top_logprobs": [self._chat_item(t, lp) for t, lp in e.top]} for e in entries]}
-        return self._completion([(e.token_id, e) for e in entries])
-
-    def prompt_payload(self, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None]) -> dict:
-        """An echoed prompt's tokens in a completion's shape (a None entry: logprob and top null)."""
-        return self._completion(list(zip(token_ids, entries)))
-
-    def _completion(self, items: list[tuple[int, TokenLogprob | None]]) -> dict:
-        tokens = [self.token_text(t) for t, _ in items]
-        offsets = []
-        for text in tokens:
-            offsets.append(self.offset)
-            self.offset += len(text)
-        return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for _, e in items],
-                "top_logprobs": [None if e is None else
-                                 {**{self.token_text(t): lp for t, lp in e.top[:self.num_top]}, text: e.logprob}
-                                 for (_, e), text in zip(items, tokens)],
-                "text_offset": offsets}
-
-    def _chat_item(self, token_id: int, logprob: float) -> dict:
-        text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-
-def joined(first: dict, then: dict) -> dict:
-    """Two completion logprobs payloads as one (an echoed prompt's, then the output's)."""
-    return {key: first[key] + then[key] for key in first}
-
-
-def prompt_logprobs_list(entries: Sequence[TokenLogprob | None], token_text: Callable[[int], str],
-                         num_top: int) -> list[dict | None]:
-    """vLLM's ``prompt_logprobs``: per prompt token, None (the first) or {token id: {logprob, rank,
-    decoded_token}} for the token itself and then its ``num_top`` alternatives."""
-    def item(token_id: int, logprob: float, rank: int) -> dict:
-        return {"logprob": logprob, "rank": rank, "decoded_token": token_text(token_id)}
-
-    out: list[dict | None] = []
-    for e in entries:
-        if e is None:
-            out.append(None)
-            continue
-        scored = {str(e.token_id): item(e.token_id, e.logprob, e.rank)}
-        for rank, (t, lp) in enumerate(e.top[:num_top], start=1):
-            scored.setdefault(str(t), item(t, lp, rank))
-        out.append(scored)
-    return out
 
 
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def full_response(header: ResponseHeader, req: GenerationRequest, final: RequestOutput,
-                  logprobs: Logprobs | None = None, token_text: Callable[[int], str] = str) -> dict:
-    """The non-streaming answer (``logprobs``: when the request asked for them; ``token_text``
-    decodes one token id, for prompt_logprobs)."""
-    text, lp = final.text, None
-    if req.echo:  # the prompt's part comes first: its text offsets start at 0
-        text = req.prompt_text + text
-        lp = None if logprobs is None else logprobs.prompt_payload(req.prompt, final.prompt_logprobs)
-    if logprobs is not None:
-        lp = logprobs.payload(final.logprobs) if lp is None else joined(lp, logprobs.payload(final.logprobs))
-    if header.endpoint is Endpoint.CHAT:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                  "finish_reason": final.finish_reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": final.finish_reason}
-    if req.return_token_ids:
-        choice["token_ids"] = list(final.token_ids)
-    out = {**header.fields(chunk=False), "choices": [choice], "usage": final.usage}
-    if req.return_token_ids:
-        out["prompt_token_ids"] = list(req.prompt)
-    _add_prompt_logprobs(out, req, final.prompt_logprobs, token_text)
-    return out
+class Responder:
+    """The bodies of one request's answer: the whole response, or its stream's chunks in order (a
+    completion's logprobs ``text_offset`` runs on from chunk to chunk)."""
 
+    def __init__(self, req: GenerationRequest, model: str, tokenizer):
+        self.req = req
+        self.chat = req.endpoint is Endpoint.CHAT
+        self._tokenizer = tokenizer
+        self._id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self._created = int(time.time())
+        self._model = model
+        self._offset = 0  # characters of token text before the next token (text_offset)
 
-def prompt_chunk(header: ResponseHeader, req: GenerationRequest, entries: Sequence[TokenLogprob | None] | None,
-                 logprobs: Logprobs | None, token_text: Callable[[int], str]) -> dict | None:
-    """A stream's first chunk when the request echoes its prompt or asks for prompt_logprobs:
-    the prompt's text (echo), its tokens' logprobs (echo with logprobs), vLLM's prompt_logprobs;
-    None when it does neither. ``entries``: the first delta's prompt logprobs."""
-    if not req.echo and req.prompt_logprobs is None:
-        return None
-    lp = logprobs.prompt_payload(req.prompt, entries) if req.echo and logprobs is not None else None
-    out = chunk(header, req, req.prompt_text if req.echo else "", logprobs=lp)
-    _add_prompt_logprobs(out, req, entries, token_text)
-    return out
+    def full(self, final: RequestOutput) -> dict:
+        """The non-streaming answer."""
+        req, text, lp = self.req, final.text, None
+        if req.echo:  # the prompt's part comes first: its text offsets start at 0
+            text = req.prompt_text + text
+            lp = self._echoed_logprobs(final.prompt_logprobs)
+        if req.logprobs is not None:
+            output = self._logprobs(final.logprobs)
+            lp = output if lp is None else {key: lp[key] + output[key] for key in lp}
+        content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        choice = self._choice(content, lp, final.finish_reason, final.token_ids)
+        out = {**self._fields(chunk=False), "choices": [choice], "usage": final.usage}
+        if req.return_token_ids:
+            out["prompt_token_ids"] = list(req.prompt)
+        self._add_prompt_logprobs(out, final.prompt_logprobs)
+        return out
 
+    def prompt_chunk(self, entries: Sequence[TokenLogprob | None] | None) -> dict | None:
+        """A stream's first chunk when the request echoes its prompt or asks for prompt_logprobs:
+        the prompt's text (echo), its tokens' logprobs (echo with logprobs), vLLM's prompt_logprobs;
+        None when it does neither. ``entries``: the first delta's prompt logprobs."""
+        req = self.req
+        if not req.echo and req.prompt_logprobs is None:
+            return None
+        lp = self._echoed_logprobs(entries) if req.echo else None
+        out = self.chunk(req.prompt_text if req.echo else "", logprobs=lp)
+        self._add_prompt_logprobs(out, entries)
+        return out
 
-def _add_prompt_logprobs(out: dict, req: GenerationRequest, entries: Sequence[TokenLogprob | None] | None,
-                         token_text: Callable[[int], str]) -> None:
-    """vLLM's prompt_logprobs where the request asked: on a completion's choice, at a chat's top."""
-    if req.prompt_logprobs is None or entries is None:
-        return
-    listed = prompt_logprobs_list(entries, token_text, req.prompt_logprobs)
-    if req.endpoint is Endpoint.CHAT:
-        out["prompt_logprobs"] = listed
-    else:
-        out["choices"][0]["prompt_logprobs"] = listed
+    def delta_chunk(self, delta: Delta) -> dict:
+        return self.chunk(delta.text, delta.token_ids, logprobs=self._logprobs(delta.logprobs))
 
+    def chunk(self, text: str = "", token_ids=(), finish_reason: str | None = None, role: bool = False,
+              logprobs: dict | None = None) -> dict:
+        """One streamed choice: new tokens' text (and ids and logprobs when asked for), the chat's
+        role, or the finish reason alone."""
+        if self.chat:
+            closing = finish_reason is not None and not text
+            delta = {"role": "assistant", "content": text} if role else ({} if closing else {"content": text})
+            content = {"delta": delta}
+        else:
+            content = {"text": text}
+        out = {**self._fields(chunk=True), "choices": [self._choice(content, logprobs, finish_reason, token_ids)]}
+        if self.req.include_usage:
+            out["usage"] = None
+        return out
 
-def chunk(header: ResponseHeader, req: GenerationRequest, text: str, token_ids=None, finish_reason=None,
-          role: bool = False, logprobs: dict | None = None) -> dict:
-    """One streamed choice: new tokens' text (and ids and logprobs when asked for), or the finish
-    reason alone."""
-    if header.endpoint is Endpoint.CHAT:
-        closing = finish_reason is not None and not text
-        delta = {"role": "assistant", "content": text} if role else ({} if closing else {"content": text})
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-    if req.return_token_ids:
-        choice["token_ids"] = list(token_ids or ())
-    out = {**header.fields(chunk=True), "choices": [choice]}
-    if req.include_usage:
-        out["usage"] = None
-    return out
+    def usage_chunk(self, final: RequestOutput) -> dict:
+        return {**self._fields(chunk=True), "choices": [], "usage": final.usage}
 
+    def _fields(self, chunk: bool) -> dict:
+        """What every response and chunk of the request repeats."""
+        if self.chat:
+            obj = "chat.completion.chunk" if chunk else "chat.completion"
+        else:
+            obj = "text_completion"
+        return {"id": self._id, "object": obj, "created": self._created, "model": self._model}
 
-def usage_chunk(header: ResponseHeader, final: RequestOutput) -> dict:
-    return {**header.fields(chunk=True), "choices": [], "usage": final.usage}
+    def _choice(self, content: dict, logprobs: dict | None, finish_reason: str | None, token_ids) -> dict:
+        choice = {"index": 0, **content, "logprobs": logprobs, "finish_reason": finish_reason}
+        if self.req.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+        return choice
+
+    def _token_text(self, token_id: int) -> str:
+        """One token's text, as logprobs name it (vLLM's "token_id:N" without a tokenizer)."""
+        return f"token_id:{token_id}" if self._tokenizer is None else self._tokenizer.decode([token_id])
+
+    # --- logprobs --------------------------------------------------------------------------------
+
+    def _logprobs(self, entries: Sequence[TokenLogprob]) -> dict | None:
+        """Output tokens' logprobs in the API's shape; None when the request did not ask for them."""
+        if self.req.logprobs is None:
+            return None
+        if self.chat:
+            return {"content": [{**self._chat_item(e.token_id, e.logprob),
+                                 "top_logprobs": [self._chat_item(t, lp) for t, lp in e.top]} for e in entries]}
+        return self._completion_logprobs([(e.token_id, e) for e in entries])
+
+    def _echoed_logprobs(self, entries: Sequence[TokenLogprob | None]) -> dict | None:
+        """An echoed prompt's tokens in a completion's shape (a None entry: logprob and top null)."""
+        return None if self.req.logprobs is None else self._completion_logprobs(list(zip(self.req.prompt, entries)))
+
+    def _completion_logprobs(self, items: list[tuple[int, TokenLogprob | None]]) -> dict:
+        # Alternatives per token: the request's logprobs (an echoed prompt may be scored with more).
+        num_top = self.req.logprobs
+        tokens = [self._token_text(t) for t, _ in items]
+        offsets = []
+        for text in tokens:
+            offsets.append(self._offset)
+            self._offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for _, e in items],
+                "top_logprobs": [None if e is None else
+                                 {**{self._token_text(t): lp for t, lp in e.top[:num_top]}, text: e.logprob}
+                                 for (_, e), text in zip(items, tokens)],
+                "text_offset": offsets}
+
+    def _chat_item(self, token_id: int, logprob: float) -> dict:
+        text = self._token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _add_prompt_logprobs(self, out: dict, entries: Sequence[TokenLogprob | None] | None) -> None:
+        """vLLM's prompt_logprobs where the request asked: on a completion's choice, at a chat's top.
+        Per prompt token, None (the first) or {token id: {logprob, rank, decoded_token}} for the
+        token itself and then its alternatives."""
+        num_top = self.req.prompt_logprobs
+        if num_top is None or entries is None:
+            return
+
+        def item(token_id: int, logprob: float, rank: int) -> dict:
+            return {"logprob": logprob, "rank": rank, "decoded_token": self._token_text(token_id)}
+
+        listed: list[dict | None] = []
+        for e in entries:
+            scored = None
+            if e is not None:
+                scored = {str(e.token_id): item(e.token_id, e.logprob, e.rank)}
+                for rank, (t, lp) in enumerate(e.top[:num_top], start=1):
+                    scored.setdefault(str(t), item(t, lp, rank))
+            listed.append(scored)
+        (out if self.chat else out["choices"][0])["prompt_logprobs"] = listed

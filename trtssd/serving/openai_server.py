@@ -27,9 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from trtssd.llm import LLM
 from trtssd.serving.async_llm import DEFAULT_MAX_WAITING, AsyncLLM, LoopStopped, Overloaded, RequestStream
 from trtssd.serving.openai_requests import (ApiError, ChatCompletionRequest, CompletionRequest, ErrorResponse,
-                                           GenerationRequest, Endpoint, ModelInfo, validation_error)
-from trtssd.serving.openai_responses import (DONE, Logprobs, ResponseHeader, chunk, full_response, prompt_chunk, sse,
-                                            usage_chunk)
+                                           GenerationRequest, ModelInfo, validation_error)
+from trtssd.serving.openai_responses import DONE, Responder, sse
 from trtssd.serving.prometheus_metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -77,10 +76,9 @@ class OpenAIServer:
         app.add_api_route("/v1/models", self.models, methods=["GET"], **v1)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.prometheus, methods=["GET"])
-        app.add_exception_handler(ApiError, _api_error)
-        app.add_exception_handler(RequestValidationError, _validation_error)
-        app.add_exception_handler(StarletteHTTPException, _http_error)  # 404/405 in the same shape
-        app.add_exception_handler(Exception, _internal_error)
+        # Starlette's own 404/405 and any unhandled error included: every error in one shape.
+        for kind in (ApiError, RequestValidationError, StarletteHTTPException, Exception):
+            app.add_exception_handler(kind, _error_response)
         return app
 
     # --- routes ----------------------------------------------------------------------------------
@@ -98,7 +96,7 @@ class OpenAIServer:
 
     async def health(self) -> Response:
         if not self.async_llm.alive:
-            return _error_response(ApiError(503, f"the serving loop stopped: {self.async_llm.failure}"))
+            raise ApiError(503, f"the serving loop stopped: {self.async_llm.failure}")
         return JSONResponse({"status": "ok", "mode": self.llm.spec.mode.value, "draft": self.llm.draft_state})
 
     async def prometheus(self) -> Response:
@@ -109,17 +107,10 @@ class OpenAIServer:
     async def _generate(self, body: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
         req = body.to_generation_request(self.model)
         stream = self._submit(req)
-        header = ResponseHeader.new(req.endpoint, self.model.name)
-        logprobs = None if req.logprobs is None else Logprobs(req.endpoint, self._token_text, req.logprobs)
+        responder = Responder(req, self.model.name, self.model.tokenizer)
         if req.stream:
-            return StreamingResponse(self._events(stream, req, header, logprobs), media_type="text/event-stream")
-        final = await self._collect(stream, request)
-        return JSONResponse(full_response(header, req, final, logprobs, self._token_text))
-
-    def _token_text(self, token_id: int) -> str:
-        """One token's text, as logprobs name it (vLLM's "token_id:N" without a tokenizer)."""
-        tokenizer = self.model.tokenizer
-        return f"token_id:{token_id}" if tokenizer is None else tokenizer.decode([token_id])
+            return StreamingResponse(self._events(stream, responder), media_type="text/event-stream")
+        return JSONResponse(responder.full(await self._collect(stream, request)))
 
     def _submit(self, req: GenerationRequest) -> RequestStream:
         try:
@@ -129,28 +120,26 @@ class OpenAIServer:
         except (Overloaded, LoopStopped) as err:
             raise ApiError(503, str(err)) from None
 
-    async def _events(self, stream: RequestStream, req: GenerationRequest, header: ResponseHeader,
-                      logprobs: Logprobs | None):
+    async def _events(self, stream: RequestStream, responder: Responder):
         """The SSE body. A client that goes away cancels this generator: the request is aborted
         and its rows freed before the next round."""
         try:
-            if req.endpoint is Endpoint.CHAT:
-                yield sse(chunk(header, req, "", role=True))
+            if responder.chat:
+                yield sse(responder.chunk(role=True))
             first = True
             async for delta in stream:
                 if first:  # the echoed prompt and prompt logprobs come with the first delta
                     first = False
-                    head = prompt_chunk(header, req, delta.prompt_logprobs, logprobs, self._token_text)
+                    head = responder.prompt_chunk(delta.prompt_logprobs)
                     if head is not None:
                         yield sse(head)
                 # Every step's new tokens go out at once, as vLLM streams them, even when their text
                 # is empty (a special token, or text held back): a client sees each token's time.
                 if delta.text or delta.token_ids:
-                    lp = None if logprobs is None else logprobs.payload(delta.logprobs)
-                    yield sse(chunk(header, req, delta.text, delta.token_ids, logprobs=lp))
-            yield sse(chunk(header, req, "", finish_reason=stream.final.finish_reason))
-            if req.include_usage:
-                yield sse(usage_chunk(header, stream.final))
+                    yield sse(responder.delta_chunk(delta))
+            yield sse(responder.chunk(finish_reason=stream.final.finish_reason))
+            if responder.req.include_usage:
+                yield sse(responder.usage_chunk(stream.final))
         except LoopStopped as err:
             yield sse(ApiError(503, str(err)).body())
         finally:
@@ -182,25 +171,17 @@ class OpenAIServer:
             raise ApiError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'")
 
 
-def _error_response(err: ApiError) -> JSONResponse:
+# A coroutine: Starlette would run a plain function in its thread pool.
+async def _error_response(request: Request, err: Exception) -> JSONResponse:
+    """Any error as an `ErrorResponse`."""
+    if isinstance(err, RequestValidationError):
+        err = validation_error(err.errors(), err.body, BODIES.get(request.url.path))
+    elif isinstance(err, StarletteHTTPException):
+        if isinstance(err.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body", from a body not UTF-8
+            err = ApiError(400, f"the request body is not valid JSON: {err.__cause__}")
+        else:
+            err = ApiError(err.status_code, str(err.detail))
+    elif not isinstance(err, ApiError):
+        log.error("unhandled error: %s: %s", type(err).__name__, err)
+        err = ApiError(500, f"internal error: {type(err).__name__}: {err}")
     return JSONResponse(err.body(), status_code=err.status)
-
-
-# Exception handlers are coroutines: Starlette would run plain functions in its thread pool.
-async def _api_error(_request, err: ApiError) -> JSONResponse:
-    return _error_response(err)
-
-
-async def _validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
-    return _error_response(validation_error(err.errors(), err.body, BODIES.get(request.url.path)))
-
-
-async def _http_error(_request, err: StarletteHTTPException) -> JSONResponse:
-    if isinstance(err.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body", from a body not UTF-8
-        return _error_response(ApiError(400, f"the request body is not valid JSON: {err.__cause__}"))
-    return _error_response(ApiError(err.status_code, str(err.detail)))
-
-
-async def _internal_error(_request, err: Exception) -> JSONResponse:
-    log.error("unhandled error: %s: %s", type(err).__name__, err)
-    return _error_response(ApiError(500, f"internal error: {type(err).__name__}: {err}"))

@@ -23,15 +23,12 @@ GRACEFUL_SHUTDOWN_S = 30  # how long open streams may finish once asked to stop 
 
 
 def bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    # Listening from here on: a client that connects as soon as the address is logged waits in the
-    # backlog until uvicorn accepts (uvicorn would only listen once its start-up is done, and such
-    # a client was refused).
-    sock.listen(2048)
-    return sock
+    """A socket listening from here on (SO_REUSEADDR set): a client that connects as soon as the
+    address is logged waits in the backlog until uvicorn accepts (uvicorn would only listen once
+    its start-up is done, and such a client was refused)."""
+    ipv6 = ":" in host
+    return socket.create_server((host, port), family=socket.AF_INET6 if ipv6 else socket.AF_INET, backlog=2048,
+                                dualstack_ipv6=ipv6 and socket.has_dualstack_ipv6())
 
 
 def _uvicorn(server: OpenAIServer, graceful_s: int, access_log: bool) -> uvicorn.Server:

@@ -157,8 +157,11 @@ def _propose(chain: Chain, rows: _Batch, active: torch.Tensor, last: torch.Tenso
 
 
 def simulate(chain: Chain, groups: list[Group], seed: int, verify_fn: VerifyFn = verify,
-             draft_probs_fn: DraftProbsFn | None = None, variable_k: bool = False) -> list[torch.Tensor]:
-    """Speculative decoding of every row until it has K + 1 tokens -> per group [rows, K+1]."""
+             draft_probs_fn: DraftProbsFn | None = None, variable_k: bool = False,
+             k_from_history: bool = False) -> list[torch.Tensor]:
+    """Speculative decoding of every row until it has K + 1 tokens -> per group [rows, K+1].
+    ``k_from_history``: each row verifies a number of proposals chosen from its past outcomes,
+    as K per round chooses from live acceptance (runtime/speculation_length.py)."""
     g = torch.Generator().manual_seed(seed)
     k = chain.k
     rows = _make_batch(chain, groups)
@@ -166,12 +169,15 @@ def simulate(chain: Chain, groups: list[Group], seed: int, verify_fn: VerifyFn =
     out = torch.full((total, k + 1), -1, dtype=torch.long)
     produced = torch.zeros(total, dtype=torch.long)
     last = torch.full((total,), X0, dtype=torch.long)
+    last_accepted = torch.zeros(total, dtype=torch.long)
     while bool((produced < k + 1).any()):
         active = torch.nonzero(produced < k + 1)[:, 0]
         n = len(active)
         prop = _propose(chain, rows, active, last[active], g)
         if variable_k:  # the runtime may propose fewer than K (a shorter chain, a budget)
             num = torch.randint(0, k + 1, (n,), generator=g)
+        elif k_from_history:  # more after a round that accepted more, fewer after rejections
+            num = torch.clamp(last_accepted[active] + (last[active] % 2), 1, k)
         else:
             num = torch.full((n,), k, dtype=torch.long)
         valid = torch.arange(k)[None, :] < num[:, None]
@@ -193,6 +199,7 @@ def simulate(chain: Chain, groups: list[Group], seed: int, verify_fn: VerifyFn =
             out[active[keep], pos[keep]] = emitted[keep, j]
         produced[active] += res.num_accepted + 1
         last[active] = res.bonus
+        last_accepted[active] = res.num_accepted
     assert bool((out >= 0).all()), "the simulation left a position unfilled"
     return list(torch.split(out, [gr.rows for gr in groups]))
 

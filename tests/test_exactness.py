@@ -156,6 +156,13 @@ def test_rows_with_different_numbers_of_proposals():
     assert_exact(CHAIN_K4, groups, seed=25, variable_k=True)
 
 
+def test_proposals_verified_chosen_from_past_outcomes():
+    """K per round: how many proposals a round verifies depends on earlier rounds' outcomes."""
+    groups = [Group(SP(temperature=0.9), rows=N // 2), Group(SP(temperature=0.9), draft="saguaro", saguaro_c=0.3,
+                                                              saguaro_fanout=(2, 1, 1, 0, 0), rows=N // 2)]
+    assert_exact(CHAIN_K4, groups, seed=27, k_from_history=True)
+
+
 # ---- negative controls: the same checks must fail on known-biased rules ---------------------------
 
 

@@ -366,3 +366,59 @@ def test_recommend_rejects_empty_choices():
         recommend(t, Workload(0.5), 1, ks=(5,), budgets=range(1, 1))
     with pytest.raises(ValueError, match="batch"):
         recommend(t, Workload(0.5), 0, ks=(5,), budgets=(4,))
+
+
+# --- a tensor-parallel target (--tensor-parallel-size) --------------------------------------------
+
+
+def test_a_split_target_costs_a_rank_plus_its_collectives():
+    from trtssd.plan import TensorParallelCosts
+
+    single = CostCurve(((1, 0.040), (64, 0.080)))
+    allreduce = CostCurve(((1, 1e-5), (16, 2e-5)))
+    gather = CostCurve(((1, 3e-5),))
+    split = TensorParallelCosts(4, 10, allreduce, gather)
+    target = split.target(single)
+    for n in (1, 8, 16, 40, 64, 200):  # exact at and between every part's points, and past them
+        assert target(n) == pytest.approx(single(n) / 4 + 20 * allreduce(n) + gather(n), rel=1e-12)
+    rank = CostCurve(((1, 0.012),))  # a measured shard overrides target / T
+    assert TensorParallelCosts(4, 10, allreduce, None, rank).target(single)(1) == pytest.approx(0.012 + 20 * 1e-5)
+    with pytest.raises(ValueError, match="--layers must be a positive integer"):
+        TensorParallelCosts(4, 0, allreduce)
+
+
+def test_plan_predicts_a_split_target_from_flags_or_a_collectives_file(tmp_path, capsys):
+    base = ["--target-cost", "1:0.040,64:0.080", "--draft-cost", "1:0.004", "--batch", "1", "--k", "3",
+            "--budgets", "4", "--json"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(base + ["--tensor-parallel-size", "4", "--layers", "10", "--allreduce-cost", "1:0.0001"]) == 0
+    split = json.loads(capsys.readouterr().out)
+    assert split["timings"]["target"]["1"] == pytest.approx(0.010 + 20 * 0.0001)
+    assert split["timings"]["draft"] == plain["timings"]["draft"]  # the draft keeps its device
+    ar = [b["best"]["ar"]["tokens_per_s"] for b in (plain["batches"][0], split["batches"][0])]
+    assert ar[1] == pytest.approx(1 / (0.010 + 0.002), abs=1e-3) and ar[1] > ar[0]  # JSON rounds to 3 places
+    measured = tmp_path / "collectives.json"  # what docs/bench/tensor-parallel-collectives/run.sh writes
+    measured.write_text(json.dumps({"size": 4, "hidden": 8192, "allreduce": {"1": 0.0001, "64": 0.0003},
+                                    "allgather": {"1": 0.0002}}))
+    assert main(base + ["--tensor-parallel-size", "4", "--layers", "10", "--collectives", str(measured)]) == 0
+    from_file = json.loads(capsys.readouterr().out)
+    assert from_file["timings"]["target"]["1"] == pytest.approx(0.010 + 20 * 0.0001 + 0.0002)
+    assert main(base[:-1] + ["--tensor-parallel-size", "4", "--layers", "10", "--collectives", str(measured)]) == 0
+    assert "target on 4 ranks" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--layers", "10"], "--layers needs --tensor-parallel-size > 1"),
+    (["--tensor-parallel-size", "4", "--layers", "10"], "needs --allreduce-cost or --collectives"),
+    (["--tensor-parallel-size", "4", "--allreduce-cost", "1e-5"], "needs --layers"),
+    (["--tensor-parallel-size", "2", "--layers", "10", "--collectives", "{file}"], "measured 4 ranks"),
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1"),
+])
+def test_plan_refuses_an_incomplete_split(tmp_path, capsys, flags, message):
+    measured = tmp_path / "c.json"
+    measured.write_text(json.dumps({"size": 4, "allreduce": {"1": 0.0001}}))
+    flags = [f.format(file=measured) for f in flags]
+    with pytest.raises(SystemExit):
+        main(["--target-cost", "0.04", "--draft-cost", "0.004"] + flags)
+    assert message in capsys.readouterr().err

@@ -236,8 +236,8 @@ def test_triton_and_the_openai_server_count_the_same():
             assert sample(family.name + "_sum", metric.labels) == sum(metric.observed), family.name
         elif family.kind == FakeFamily.COUNTER:
             assert sample(family.name, metric.labels) == metric.value, (family.name, metric.labels)
-    # 12 unlabelled; 3 positions, 2 backups, 2 finish reasons (stop, abort)
-    assert sum(family.kind == FakeFamily.COUNTER for family, _ in series) == 12 + 3 + 2 + 2
+    # 15 unlabelled (3 of prefix caching); 3 positions, 2 backups, 2 finish reasons (stop, abort)
+    assert sum(family.kind == FakeFamily.COUNTER for family, _ in series) == 15 + 3 + 2 + 2
 
 
 # --- one real server ------------------------------------------------------------------------------

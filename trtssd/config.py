@@ -98,6 +98,9 @@ class SpeculativeConfig:
     # (speculation costs at high concurrency); never while a seeded sampled request runs, whose
     # seed promises the same output at any load.
     plain_under_load: bool = _opt(True, "decode plainly in rounds where that measured faster at the batch size")
+    # The verify costs B x (k+1) rows: at large batch the last positions stop paying for theirs.
+    k_per_round: bool = _opt(False, "verify the first 1..k proposals each round, as many as the best predicted "
+                             "tokens/s at the batch size from live acceptance and verify times")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _choice(Mode, self.mode, "mode"))
@@ -118,8 +121,9 @@ class SpeculativeConfig:
             raise ValueError(f"saguaro_c must be in (0, 1]; got {self.saguaro_c!r}")
         if not self.draft_timeout_s > 0:
             raise ValueError(f"draft_timeout_s must be > 0; got {self.draft_timeout_s!r}")
-        if not isinstance(self.plain_under_load, bool):
-            raise ValueError(f"plain_under_load must be True or False; got {self.plain_under_load!r}")
+        for name in ("plain_under_load", "k_per_round"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
 
     @property
     def fixed_fanout(self) -> tuple[int, ...] | None:
@@ -158,6 +162,14 @@ class RuntimeConfig:
 
     max_batch: int = _opt(8, "sequences in flight at once")
     max_seq_len: int = _opt(2048, "prompt + output tokens per sequence (room for speculation is added on top)")
+    # One process per target rank; more than one splits the torch target Megatron-style over
+    # torch.distributed (trtssd/runtime/tensor_parallel.py), so a model too big for one device runs.
+    tensor_parallel_size: int = _opt(1, "target ranks: the torch target split over this many processes (gloo on CPU, "
+                                     "NCCL on CUDA); must divide the model's attention and KV heads")
+    prefix_cache_seqs: int = _opt(8, "finished requests whose prompt KV each rank keeps for reuse by a request "
+                                  "repeating its prefix (prefix caching; least recently used go first); 0: off")
+    prefill_chunk: int = _opt(256, "most prompt tokens prefilled per step: a longer prompt is prefilled over several "
+                              "steps between rounds of the running batch (chunked prefill); 0: whole prompts")
     target_threads: int = _opt(1, "torch threads on the target rank (CPU)")
     draft_threads: int = _opt(1, "torch threads on the draft rank (CPU)")
     target_cores: Sequence[int] | None = _opt(None, "comma-separated CPU cores to pin the target to "
@@ -190,10 +202,14 @@ class RuntimeConfig:
         if (self.target_backend is TargetBackend.TRTLLM) != (self.trtllm_engine_dir is not None):
             raise ValueError("trtllm_engine_dir is required with target_backend 'trtllm' and allowed only with it; got "
                              f"target_backend {self.target_backend.value!r}, trtllm_engine_dir {self.trtllm_engine_dir!r}")
-        for name in ("max_batch", "max_seq_len", "target_threads", "draft_threads"):
+        for name in ("max_batch", "max_seq_len", "target_threads", "draft_threads", "tensor_parallel_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer; got {v!r}")
+        for name in ("prefix_cache_seqs", "prefill_chunk"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be a non-negative integer; got {v!r}")
         if self.lend_draft_cores not in LEND_DRAFT_CORES:
             raise ValueError(f"lend_draft_cores must be one of {LEND_DRAFT_CORES}; got {self.lend_draft_cores!r}")
         if not 0 < self.poll_interval_s <= 0.1:
@@ -202,6 +218,11 @@ class RuntimeConfig:
             v = getattr(self, name)
             if v is not None:
                 object.__setattr__(self, name, tuple(int(c) for c in v))
+
+    @property
+    def kv_sequences(self) -> int:
+        """Sequences each rank's executor holds: the running batch and the prompts kept for reuse."""
+        return self.max_batch + self.prefix_cache_seqs
 
     @property
     def resolved_transport(self) -> Transport:

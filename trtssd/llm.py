@@ -11,15 +11,13 @@ import dataclasses
 import logging
 from typing import Iterator, Sequence
 
-from trtssd.backends.loading import load_executor
 from trtssd.build import resolve_models
-from trtssd.config import (Mode, ModelRef, RuntimeConfig, SpeculativeConfig, TargetBackend, batch_tokens,
-                           speculative_config)
+from trtssd.config import Mode, ModelRef, RuntimeConfig, SpeculativeConfig, TargetBackend, speculative_config
 from trtssd.devices import resolve_device
 from trtssd.models.engine_dir import MANIFEST, engine_speculation
 from trtssd.models.tokenizer import chat_prompt_ids, encode_text, load_tokenizer
 from trtssd.runtime.affinity import core_lending, cores_besides, pin, pin_thread, restore, split_cores
-from trtssd.runtime.launch import LAUNCHES, start_draft, target_seq_len
+from trtssd.runtime.launch import LAUNCHES, close_target, start_draft, start_target
 from trtssd.runtime.metrics import SpeculationMetrics
 from trtssd.runtime.output_processor import OutputText, Prompt, RequestOutput, request_output
 from trtssd.runtime.target_loop import TargetLoop, Verifier
@@ -82,25 +80,24 @@ class LLM:
         self._handed_over = False
 
     def _start(self, target: ModelRef, draft: ModelRef, launch: str) -> TargetLoop:
-        executor = load_executor(target, max_seqs=self.runtime.max_batch,
-                                 max_seq_len=target_seq_len(self.spec, self.runtime),
-                                 max_batch_tokens=batch_tokens(self.spec, self.runtime),
-                                 device=self.runtime.target_device, device_field="target_device")
-        self.tokenizer = load_tokenizer(target.path)
-        verifier = self._verifier(executor.vocab_size)
-        link = None
+        # T > 1: rank 0 of a tensor-parallel target, its followers started here (closed by close()).
+        executor = start_target(target, self.spec, self.runtime, launch)
+        link = verifier = None
         try:
+            self.tokenizer = load_tokenizer(target.path)
+            verifier = self._verifier(executor.vocab_size)
             if self.spec.mode is not Mode.AR:
                 link = start_draft(launch, draft, self.spec, self.runtime, executor.vocab_size)
         except BaseException:
             _close_verifier(verifier)
+            close_target(executor)
             raise
         rt = self.runtime
         lending = (core_lending(executor, rt.target_cores, rt.target_threads, rt.draft_cores, rt.draft_threads,
                                 split_single_rows=rt.lend_draft_cores == "always")
                    if rt.lend_draft_cores != "never" else None)
         return TargetLoop(executor, self.spec, rt.max_batch, rt.max_seq_len, _eos_ids(self.tokenizer), link,
-                          verifier, lending)
+                          verifier, lending, prefix_cache_seqs=rt.prefix_cache_seqs, prefill_chunk=rt.prefill_chunk)
 
     def _verifier(self, vocab_size: int) -> Verifier | None:
         """The target's rounds: None = the torch executor's own (TargetLoop's default)."""
@@ -230,6 +227,7 @@ class LLM:
         if self.loop.draft is not None:
             self.loop.draft.close()
         _close_verifier(self.loop.verifier)
+        close_target(self.loop.target)
         restore(self._previous_affinity)
 
     def __enter__(self) -> "LLM":

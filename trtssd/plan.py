@@ -3,6 +3,12 @@
 The model itself (docs/algorithm.md section 8) is `trtssd.runtime.speedup_model`, which the draft
 rank also runs live; this module reads timings (a file, flags or a measurement), searches K, fan-out
 budget and backup per batch size, and prints a markdown table or JSON.
+
+A target split over T ranks (``--tensor-parallel-size``) is one more forward cost curve: one
+rank's forward of its 1/T shard plus the collectives every forward makes, two all-reduces of the
+hidden state per decoder layer and one all-gather of the logits (trtssd/models/tensor_parallel.py
+makes exactly these), each a cost curve over the forward's tokens (`TensorParallelCosts`). The
+draft keeps its own device, so its curves are unchanged.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -42,6 +48,93 @@ def load_timings(path: str | Path) -> Timings:
         if not isinstance(data, Mapping):
             raise ValueError(f"{path} holds no calibrated timings (was the benchmark run with --no-calibrate?)")
     return Timings.from_dict(data)
+
+
+# --- a tensor-parallel target -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorParallelCosts:
+    """What a target split over ``size`` ranks costs per forward, beyond its ranks' own compute."""
+
+    size: int  # target ranks T
+    layers: int  # the target's decoder layers: two all-reduces each
+    allreduce: CostCurve  # one all-reduce of the [tokens, hidden] state across the T ranks
+    allgather: CostCurve | None = None  # the head's all-gather of [tokens, V/T] logits per rank (None: free)
+    rank: CostCurve | None = None  # one rank's forward of its shard, collectives excluded (None: target / T)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or self.size < 2:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 2 here; got {self.size!r}")
+        if not isinstance(self.layers, int) or self.layers < 1:
+            raise ValueError(f"--layers must be a positive integer (the target's decoder layers); got {self.layers!r}")
+
+    def target(self, single: CostCurve) -> CostCurve:
+        """The split target's forward cost from the unsplit one's (``single``, used only when no
+        per-rank curve is given: an even split of its compute and weight reads)."""
+        rank = self.rank or CostCurve(tuple((n, s / self.size) for n, s in single.points))
+        parts = [rank, self.allreduce] + ([self.allgather] if self.allgather is not None else [])
+        # Each part is piecewise linear with linear tails, so their sum is exact at the union of
+        # their points (and linear past the last).
+        tokens = sorted({n for part in parts for n, _ in part.points})
+        return CostCurve(tuple((n, self.forward(n, rank)) for n in tokens))
+
+    def forward(self, tokens: float, rank: CostCurve) -> float:
+        gather = self.allgather(tokens) if self.allgather is not None else 0.0
+        return rank(tokens) + 2 * self.layers * self.allreduce(tokens) + gather
+
+    def apply(self, timings: Timings) -> Timings:
+        what = "per-rank curve" if self.rank is not None else "target / T"
+        return replace(timings, target=self.target(timings.target),
+                       name=f"{timings.name}; target on {self.size} ranks ({what} + {2 * self.layers} all-reduces"
+                            f"{' + 1 all-gather' if self.allgather is not None else ''} per forward)")
+
+    def breakdown(self, single: CostCurve, tokens: float) -> dict[str, float]:
+        """Seconds of one forward of ``tokens`` tokens, by part (for the report)."""
+        rank = self.rank or CostCurve(tuple((n, s / self.size) for n, s in single.points))
+        return {"rank_s": rank(tokens), "allreduces_s": 2 * self.layers * self.allreduce(tokens),
+                "allgather_s": self.allgather(tokens) if self.allgather is not None else 0.0}
+
+
+def load_collectives(path: str | Path) -> dict:
+    """A collectives measurement (docs/bench/tensor-parallel-collectives/run.sh writes one): its
+    ranks and its all-reduce and all-gather curves."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot read the collectives file {path}: {err}") from None
+    if not isinstance(data, Mapping) or "allreduce" not in data or "size" not in data:
+        raise ValueError(f"{path} must hold a JSON object with 'size' and 'allreduce' (and optionally 'allgather')")
+    return {"size": data["size"], "allreduce": CostCurve.from_mapping(data["allreduce"], f"{path}: allreduce"),
+            "allgather": (CostCurve.from_mapping(data["allgather"], f"{path}: allgather")
+                          if data.get("allgather") else None)}
+
+
+def _tensor_parallel_from_args(args: argparse.Namespace) -> TensorParallelCosts | None:
+    given = [flag for flag in ("layers", "rank_cost", "allreduce_cost", "allgather_cost", "collectives")
+             if getattr(args, flag) is not None]
+    if args.tensor_parallel_size == 1:
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} needs --tensor-parallel-size > 1")
+        return None
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1; got {args.tensor_parallel_size}")
+    measured = load_collectives(args.collectives) if args.collectives else {}
+    if measured and measured["size"] != args.tensor_parallel_size:
+        raise ValueError(f"{args.collectives} measured {measured['size']} ranks, not --tensor-parallel-size "
+                         f"{args.tensor_parallel_size}")
+    allreduce = (CostCurve.parse(args.allreduce_cost, "--allreduce-cost") if args.allreduce_cost
+                 else measured.get("allreduce"))
+    if allreduce is None:
+        raise ValueError("--tensor-parallel-size > 1 needs --allreduce-cost or --collectives (what one all-reduce "
+                         "of the hidden state costs across the ranks)")
+    if args.layers is None:
+        raise ValueError("--tensor-parallel-size > 1 needs --layers (the target's decoder layers)")
+    allgather = (CostCurve.parse(args.allgather_cost, "--allgather-cost") if args.allgather_cost
+                 else measured.get("allgather"))
+    rank = CostCurve.parse(args.rank_cost, "--rank-cost") if args.rank_cost else None
+    return TensorParallelCosts(args.tensor_parallel_size, args.layers, allreduce, allgather, rank)
 
 
 # --- presentation --------------------------------------------------------------------------------
@@ -127,6 +220,18 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--batch", type=_int_list, default=(1,), help="batch sizes, e.g. '1,2,4,8' or '1-8'")
     sw.add_argument("--k", type=_int_list, default=DEFAULT_KS, help="lookaheads to search (default 1-8)")
     sw.add_argument("--budgets", type=_int_list, default=DEFAULT_BUDGETS, help="fan-out budgets to search")
+    tp = p.add_argument_group("a tensor-parallel target (the draft keeps its own device)")
+    tp.add_argument("--tensor-parallel-size", type=int, default=1, help="target ranks T (default 1); with T > 1 a "
+                    "target forward costs one rank's forward plus 2 all-reduces per layer and one all-gather")
+    tp.add_argument("--layers", type=int, help="the target's decoder layers (with T > 1)")
+    tp.add_argument("--rank-cost", help="one rank's forward of its 1/T shard 'tokens:seconds,...' (default: the "
+                    "target cost / T)")
+    tp.add_argument("--allreduce-cost", help="one all-reduce of the [tokens, hidden] state across the T ranks "
+                    "'tokens:seconds,...'")
+    tp.add_argument("--allgather-cost", help="the head's all-gather of the logits across the T ranks "
+                    "'tokens:seconds,...' (default: none)")
+    tp.add_argument("--collectives", help="all-reduce and all-gather curves measured by "
+                    "docs/bench/tensor-parallel-collectives/run.sh (flags override it)")
     p.add_argument("--json", action="store_true", help="print every evaluated configuration as JSON")
     return p
 
@@ -158,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         timings = _timings_from_args(args)
+        split = _tensor_parallel_from_args(args)
+        single = timings.target
+        if split is not None:
+            timings = split.apply(timings)
         a = args.acceptance
         if args.mean_acceptance_length is not None:
             a = acceptance_from_length(args.mean_acceptance_length, args.measured_k)
@@ -175,6 +284,11 @@ def main(argv: list[str] | None = None) -> int:
                                 "candidates": [c.to_dict() for c in r.candidates]} for r in recs]}
         sys.stdout.write(json.dumps(payload, indent=1) + "\n")
     else:
+        if split is not None:
+            parts = split.breakdown(single, 1)
+            sys.stdout.write(f"tensor-parallel target, one-token forward: rank {parts['rank_s'] * 1e3:.3f} ms + "
+                             f"all-reduces {parts['allreduces_s'] * 1e3:.3f} ms + all-gather "
+                             f"{parts['allgather_s'] * 1e3:.3f} ms = {timings.target(1) * 1e3:.3f} ms\n\n")
         sys.stdout.write(format_recommendations(recs, timings, workload))
     return 0
 

@@ -24,6 +24,27 @@ class CapacityError(RuntimeError):
     """A request does not fit in the executor's memory budget (raised, never a crash)."""
 
 
+class PromptSplits:
+    """Where a prompt's prefill may be split in two forwards, its first ``at`` tokens and then the
+    rest, and still write the KV and logits of one forward over it all: where a cached prefix may
+    end (trtssd/runtime/prefix_cache.py, in whole blocks of ``block`` tokens) and where chunked
+    prefill may cut a prompt (trtssd/runtime/target_loop.py). By default anywhere: an executor
+    whose rows depend on the forward's shape overrides it."""
+
+    block = 16  # tokens per cached block (vLLM's default block size)
+
+    def allows(self, at: int, length: int) -> bool:
+        return 0 < at < length
+
+    def last_split(self, start: int, limit: int, length: int) -> int | None:
+        """The last allowed split in (start, limit], or None."""
+        return next((at for at in range(min(limit, length - 1), start, -1) if self.allows(at, length)), None)
+
+    def next_split(self, start: int, length: int) -> int:
+        """The first allowed split after ``start``, or ``length`` when there is none."""
+        return next((at for at in range(start + 1, length) if self.allows(at, length)), length)
+
+
 @dataclass(frozen=True)
 class Chunk:
     """One sequence's tokens in one forward pass.
@@ -80,6 +101,11 @@ class Executor(Protocol):
     def commit(self, seq_id: int, n_tokens: int) -> None:
         """Mark region slots [committed, committed + n_tokens) as committed prefix."""
 
+    def share_prefix(self, src_seq_id: int, dst_seq_id: int, n_tokens: int) -> None:
+        """Give the new sequence ``dst_seq_id`` (nothing written yet) the first ``n_tokens``
+        committed tokens of ``src_seq_id`` as its committed prefix: the prefix cache's reuse of a
+        prompt's KV. Optional: an executor without it gets no prefix caching."""
+
     def copy_slots(self, seq_id: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the KV at storage slots ``src`` (already written, not committed) to slots ``dst``
         (at or after the committed prefix), in every layer, as if gathered before scattering.
@@ -121,6 +147,15 @@ def check_chunk(c: Chunk, committed: int, max_seq_len: int, vocab_size: int) -> 
     if int(c.tokens.min()) < 0 or int(c.tokens.max()) >= vocab_size:
         raise ValueError(f"{where}: token ids must be in [0, {vocab_size})")
     return n, hi + 1
+
+
+def check_share(src_seq_id: int, src_committed: int, dst_seq_id: int, dst_written: bool, n_tokens: int) -> None:
+    """Validate a `share_prefix` call; every executor checks it with this one function."""
+    if dst_written:
+        raise ValueError(f"seq {dst_seq_id} must be new (nothing written) to share a prefix")
+    if not isinstance(n_tokens, int) or not 0 < n_tokens <= src_committed:
+        raise ValueError(f"n_tokens must be an int in [1, {src_committed}] (seq {src_seq_id}'s committed tokens); "
+                         f"got {n_tokens!r}")
 
 
 S = TypeVar("S")

@@ -7,13 +7,14 @@ caches only its own KV heads), and its sequence bookkeeping (add_sequence, commi
 copy_slots) is rank-local and identical on every rank because every rank sees the same calls.
 
 The contract: every rank calls the same executor methods with the same arguments in the same
-order (a forward on one rank waits in its first all-reduce for the others). The caller that
-decides (rank 0 of the target loop, later) sends each forward's chunks with ``broadcast_chunks``.
+order (a forward on one rank waits in its first all-reduce for the others). The runtime keeps it
+with rank 0's ``TensorParallelExecutor`` (trtssd/runtime/tensor_parallel.py), which sends each
+call to the follower ranks; ``broadcast_chunks`` sends one forward's chunks alone (tests).
 Every rank's ``forward`` returns the full logits.
 
-Process groups: gloo on CPU; NCCL with one CUDA device per rank (written, not run yet: give each
-rank ``device=f"cuda:{local_rank}"`` and call ``torch.cuda.set_device`` before the first
-collective).
+Process groups: gloo on CPU; NCCL with one CUDA device per rank (written, not run yet: each rank
+gets its own ``device`` and calls ``torch.cuda.set_device`` before the first collective, as
+``trtssd.runtime.tensor_parallel.join_group`` does).
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ from typing import Sequence
 import psutil
 import torch
 
-from trtssd.backends.base import CapacityError, Chunk, check_chunk, chunk_sequences, find_sequence
+from trtssd.backends.base import (CapacityError, Chunk, PromptSplits, check_chunk, check_share, chunk_sequences,
+                                  find_sequence)
 from trtssd.models.config import ModelConfig
 from trtssd.models.llama import AttentionBatch, Linear, LlamaModel
 from trtssd.models.loader import load_model
@@ -245,6 +246,19 @@ class TorchExecutor:
                 f"only slots < {seq.written} were written"
             )
         seq.committed += n_tokens
+
+    # Anywhere: a prefill split in two matches one forward to fp32 rounding (measured up to 6e-5
+    # in a logit on the default engine), as a verify row matches a plain step's.
+    prompt_splits = PromptSplits()
+
+    def share_prefix(self, src_seq_id: int, dst_seq_id: int, n_tokens: int) -> None:
+        """Copy the source's first ``n_tokens`` KV slots into the new sequence's row."""
+        src, dst = self._seq(src_seq_id), self._seq(dst_seq_id)
+        check_share(src_seq_id, src.committed, dst_seq_id, dst.written > 0, n_tokens)
+        for pair in self._kv:
+            for cache in pair:
+                cache[dst.row, :, :n_tokens] = cache[src.row, :, :n_tokens]
+        dst.committed = dst.written = n_tokens
 
     def copy_slots(self, seq_id: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         seq = self._seq(seq_id)

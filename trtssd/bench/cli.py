@@ -51,7 +51,8 @@ def _names(text: str) -> tuple[str, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trtssd bench", description=__doc__.split("\n\n")[0],
-                                epilog="trtssd bench serve --help: load-test a running OpenAI-compatible server")
+                                epilog="trtssd bench serve --help: load-test a running OpenAI-compatible server; "
+                                       "trtssd bench prefill --help: multi-turn TTFT and long-prompt arrivals")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="4 prompts per set x 64 tokens, batch 1, greedy (default)")
     size.add_argument("--full", action="store_true", help="16 prompts x 128 tokens, batch 1,2,4,8, temperature 0,0.8")
@@ -110,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve":  # `trtssd bench serve`: load-tests a running server, its own parser
         return serve.main(argv[1:])
+    if argv and argv[0] == "prefill":  # `trtssd bench prefill`: prompt work under serving, its own parser
+        import trtssd.bench.prefill_load as prefill_load
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        return prefill_load.main(argv[1:], shlex.join(["trtssd", "bench", *argv]))
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -22,10 +22,10 @@ CALIBRATION_MAX_ROWS = 64  # the widest draft forward timed at start-up (costs b
 
 def load_worker(draft_model: ModelRef, spec: SpeculativeConfig, runtime: RuntimeConfig, max_seq_len: int) -> DraftWorker:
     """The draft model and its worker, calibrated for the auto fan-out."""
-    executor = load_executor(draft_model, max_seqs=runtime.max_batch, max_seq_len=max_seq_len,
+    executor = load_executor(draft_model, max_seqs=runtime.kv_sequences, max_seq_len=max_seq_len,
                              max_batch_tokens=batch_tokens(spec, runtime), device=runtime.draft_device,
                              device_field="draft_device", row_invariant=False)
-    worker = DraftWorker(executor, spec)
+    worker = DraftWorker(executor, spec, runtime.prefix_cache_seqs)
     if spec.mode is Mode.SSD and spec.fixed_fanout is None:
         # No wider than this configuration's widest tree or glue: the widest sizes cost the most
         # (seconds of start-up), and measurements beyond them would never be used.
@@ -73,6 +73,7 @@ class DraftServer:
             answer_time_s=time.perf_counter() - t0,
             prespec_time_s=self._prespec_s,
             tree_branches=self._branches,
+            cached_tokens=tuple(ans.cached_tokens),
         )
         self._prespec_s, self._branches = 0.0, 0
         return reply

@@ -32,6 +32,7 @@ import torch
 
 from trtssd.backends.base import Executor, chain_chunk
 from trtssd.config import Backup, Mode, Source, SpeculativeConfig
+from trtssd.runtime.prefix_cache import PrefixCache
 from trtssd.runtime.protocol import Outcome, Prefill, SpeculateRequest
 from trtssd.runtime.speedup_model import (BackupCosts, CostCurve, StepCostModel, Timings, Workload,
                                           acceptance_from_length, calibration_key_fields, load_calibration,
@@ -71,6 +72,7 @@ class DraftSequence:
     last_spec: list[int] = field(default_factory=list)  # the speculation returned last
     last_source: Source | None = None
     hit: tuple[PreSpeculation, CachedSpeculation] | None = None  # this round's hit, for the glue
+    cached_tokens: int = 0  # prompt tokens the prefix cache gave (not prefilled)
 
     @property
     def seeded(self) -> bool:
@@ -85,6 +87,7 @@ class Answer:
     probs: torch.Tensor | None  # [B, K, V] q' rows; None when no row needs them
     point_mass: list[bool]
     sources: list[Source]
+    cached_tokens: list[int]  # per row: prompt tokens the prefix cache gave its sequence
 
 
 @dataclass(frozen=True)
@@ -96,8 +99,10 @@ class Drafts:
 
 
 class DraftWorker:
-    def __init__(self, executor: Executor, spec: SpeculativeConfig):
+    def __init__(self, executor: Executor, spec: SpeculativeConfig, prefix_cache_seqs: int = 0):
         self.executor = executor
+        self.prefix_cache = PrefixCache(executor, prefix_cache_seqs)
+        self._prefilled: dict[int, tuple[int, int]] = {}  # partly prefilled -> (tokens in, of them cached)
         self.spec = spec
         self.k = spec.k
         self.seqs: dict[int, DraftSequence] = {}
@@ -137,19 +142,32 @@ class DraftWorker:
     # --- sequences ---------------------------------------------------------------------------
 
     def prefill(self, msg: Prefill) -> None:
-        self.executor.add_sequence(msg.seq_id)
-        logits = self.executor.forward([chain_chunk(msg.seq_id, msg.prompt, 0, last_logits_only=True)])[0]
-        self.executor.commit(msg.seq_id, len(msg.prompt))
-        self.seqs[msg.seq_id] = DraftSequence(msg.seq_id, msg.params, list(msg.prompt))
+        """A new sequence's prompt, after its cached prefix; or its next piece (``msg.upto``)."""
+        sid, prompt = msg.seq_id, list(msg.prompt)
+        if sid not in self._prefilled:
+            cached = self.prefix_cache.start(sid, prompt)
+            self._prefilled[sid] = (cached, cached)
+        start, cached = self._prefilled[sid]
+        end = len(prompt) if msg.upto is None else msg.upto
+        if end <= start:
+            return  # the prefix cache gave this piece
+        logits = self.executor.forward([chain_chunk(sid, prompt[start:end], start, last_logits_only=True)])[0]
+        self.executor.commit(sid, end - start)
+        if end < len(prompt):
+            self._prefilled[sid] = (end, cached)
+            return
+        del self._prefilled[sid]
+        self.prefix_cache.index(sid, prompt)
+        self.seqs[sid] = DraftSequence(sid, msg.params, prompt, cached_tokens=cached)
         if self.spec.mode is Mode.SSD:
-            self._first[msg.seq_id] = logits[-1]
+            self._first[sid] = logits[-1]
 
     def release(self, seq_ids) -> None:
         for sid in seq_ids:
             self._first.pop(sid, None)
-            if self.seqs.pop(sid, None) is not None:
-                self.executor.release(sid)
-                self.cache.pop(sid, None)
+            self.cache.pop(sid, None)
+            if self.seqs.pop(sid, None) is not None or self._prefilled.pop(sid, None) is not None:
+                self.prefix_cache.finish(sid)
 
     # --- the round ---------------------------------------------------------------------------
 
@@ -230,7 +248,7 @@ class DraftWorker:
             self.costs.observe("verify_s", req.verify_time_s)
         for seq, outcome, pre, found in zip(seqs, req.outcomes, pres, cached):
             if seq.last_source in (Source.HIT, Source.NEURAL, Source.SD):
-                self.acceptance.update(outcome.num_accepted, self.k)
+                self.acceptance.update(outcome.num_accepted, outcome.num_drafts or self.k)
                 self.costs.observe("tokens_neural", outcome.num_accepted + 1)
             elif seq.last_source is Source.FAST:
                 self.costs.observe("tokens_fast", outcome.num_accepted + 1)
@@ -260,7 +278,7 @@ class DraftWorker:
                 probs[i] = q
             sources.append(source)
         point_mass = [src is Source.FAST and not s.params.is_greedy for s, src in zip(seqs, sources)]
-        return Answer(tokens, probs, point_mass, sources)
+        return Answer(tokens, probs, point_mass, sources, [s.cached_tokens for s in seqs])
 
     def _draft_rows(self, seqs: list[DraftSequence], outcomes, rows: list[int]) -> dict[int, tuple]:
         """``rows`` drafted just in time, in one batch: row -> (K tokens, their q' rows or None)."""

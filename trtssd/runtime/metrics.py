@@ -23,6 +23,7 @@ class SpeculationMetrics:
     num_accepted_tokens: int = 0  # proposals accepted and emitted (not those cut by a stop)
     accepted_per_position: list[int] = field(default_factory=list)
     proposed_per_position: list[int] = field(default_factory=list)
+    rounds_by_length: list[int] = field(default_factory=list)  # verified rounds by proposals verified (index k-1)
     cache_hits: int = 0  # SSD rounds answered from the cache
     cache_misses: int = 0  # SSD rounds answered by a backup (sd rounds are neither)
     accepted_on_hit: int = 0
@@ -38,6 +39,7 @@ class SpeculationMetrics:
     tree_branches: int = 0  # SSD: tree branches per sequence summed over rounds (auto fan-out's picks)
     degraded_rounds: int = 0  # rounds decoded in ar mode because the draft was lost
     plain_rounds: int = 0  # rounds decoded without the draft by load control (it measured faster)
+    draft_cached_tokens: int = 0  # prompt tokens the draft's prefix cache gave it (not prefilled there)
 
     def record_round(self, k: int, accepted: int, source: Source) -> None:
         """One verified round: ``accepted`` of its k proposals were accepted and emitted."""
@@ -45,6 +47,8 @@ class SpeculationMetrics:
             grow = k - len(self.accepted_per_position)
             self.accepted_per_position += [0] * grow
             self.proposed_per_position += [0] * grow
+            self.rounds_by_length += [0] * grow
+        self.rounds_by_length[k - 1] += 1
         self.num_drafts += 1
         self.num_draft_tokens += k
         self.num_accepted_tokens += accepted

@@ -53,11 +53,13 @@ class Ready:
 
 @dataclass(frozen=True)
 class Prefill:
-    """A new sequence: the draft prefills its prompt (overlapping the target's own prefill)."""
+    """A new sequence: the draft prefills its prompt (overlapping the target's own prefill). Under
+    chunked prefill the prompt comes again for each piece, ``upto`` where the piece ends."""
 
     seq_id: int
     prompt: tuple[int, ...]
     params: SamplingParams
+    upto: int | None = None  # prefill up to this prompt token (None: all of it)
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class Outcome:
     num_accepted: int
     bonus: int
     plain: tuple[int, ...] = ()
+    num_drafts: int | None = None  # proposals the target verified (K per round); None: all K
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,7 @@ class SpeculateReply:
     answer_time_s: float  # draft time spent answering this request
     prespec_time_s: float  # draft time spent pre-speculating after the previous reply
     tree_branches: int = 0  # tree branches per sequence that pre-speculation used (auto fan-out's pick)
+    cached_tokens: tuple[int, ...] = ()  # per row: prompt tokens the draft's prefix cache gave it
 
 
 @dataclass(frozen=True)

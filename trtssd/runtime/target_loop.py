@@ -4,8 +4,10 @@ The loop deals in token ids only: stops by token (EOS, stop_token_ids, max_token
 here; text and stop strings are the output processor's (runtime/output_processor.py), which ends
 a sequence through `stop` when a stop string completes.
 
-Each step admits waiting requests (target prefill, draft prefill in parallel), then runs one
-round for every running sequence: in `ar` mode one target step; in `sd`/`ssd` mode it sends the
+Each step admits waiting requests and prefills their prompts (the draft prefills them in parallel;
+a prompt's cached prefix is not prefilled again, trtssd/runtime/prefix_cache.py; a long prompt is
+prefilled over several steps within a token budget, chunked prefill), then runs one round for
+every running sequence: in `ar` mode one target step; in `sd`/`ssd` mode it sends the
 last outcomes to the draft, receives the speculation, verifies it in one K+1-token target pass
 and commits the accepted tokens. The target's own state (committed KV plus the pending bonus
 token) is always enough to continue alone, which is how a lost draft degrades to `ar` without
@@ -28,14 +30,16 @@ from typing import Protocol
 
 import torch
 
-from trtssd.backends.base import Executor, chain_chunk
+from trtssd.backends.base import Executor, PromptSplits, chain_chunk
 from trtssd.config import Mode, SpeculativeConfig
 from trtssd.runtime import protocol as P
 from trtssd.runtime.draft_client import DraftClient
 from trtssd.runtime.metrics import SpeculationMetrics
+from trtssd.runtime.prefix_cache import PrefixCache
 from trtssd.runtime.affinity import CoreLending
 from trtssd.runtime.round_choice import RoundChooser, speculation_ceiling
-from trtssd.runtime.speedup_model import CostCurve, calibrated_forwards
+from trtssd.runtime.speculation_length import LengthChooser
+from trtssd.runtime.speedup_model import CostCurve, StepCostModel, calibrated_forwards
 from trtssd.runtime.transport import PeerLost
 from trtssd.sampling import (FieldError, SamplingParams, TokenLogprob, make_generator, processed_probs,
                              prompt_logprobs, sample, token_logprobs)
@@ -59,6 +63,8 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first None), when asked
+    num_cached_tokens: int = 0  # prompt tokens whose KV the prefix cache gave (not prefilled)
+    prefilled: int = 0  # prompt tokens in the target's KV (cached or prefilled)
     bonus: int | None = None  # last emitted token, not yet in the target's KV
     outcome: P.Outcome | None = None  # to report to the draft next round
     finish_reason: str | None = None
@@ -115,11 +121,10 @@ class Verifier(Protocol):
 
 
 class ExecutorVerifier:
-    """The default verifier: the loop's own executor, one K+1-token pass, exact verification."""
+    """The default verifier: the loop's own executor, one k+1-token pass, exact verification."""
 
-    def __init__(self, target: Executor, k: int):
+    def __init__(self, target: Executor):
         self.target = target
-        self.k = k
 
     def check(self, params: SamplingParams) -> None:
         pass  # trtssd.sampling implements every SamplingParams field
@@ -130,9 +135,9 @@ class ExecutorVerifier:
         rows = proposals.tolist()
         chunks = [chain_chunk(s.seq_id, [s.bonus] + rows[i], self.target.committed(s.seq_id))
                   for i, s in enumerate(seqs)]
-        logits = torch.stack(self.target.forward(chunks))  # [B, K+1, V]
+        logits = torch.stack(self.target.forward(chunks))  # [B, k+1, V]
         result = verify(
-            logits, proposals.clone(), torch.full((len(seqs),), self.k, dtype=torch.long), probs,
+            logits, proposals.clone(), torch.full((len(seqs),), proposals.shape[1], dtype=torch.long), probs,
             torch.tensor(point_mass, dtype=torch.bool), [s.params for s in seqs],
             [s.generator for s in seqs],
         )
@@ -170,7 +175,11 @@ def _logprobs(seqs: list[Sequence], logits: torch.Tensor, emitted: list[list[int
 class TargetLoop:
     def __init__(self, target: Executor, spec: SpeculativeConfig, max_batch: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...] = (), draft: DraftClient | None = None,
-                 verifier: Verifier | None = None, lending: CoreLending | None = None):
+                 verifier: Verifier | None = None, lending: CoreLending | None = None,
+                 prefix_cache_seqs: int = 0, prefill_chunk: int = 0):
+        """prefix_cache_seqs: finished sequences whose prompt KV is kept for reuse (the executor
+        must hold max_batch + that many sequences). prefill_chunk: most prompt tokens prefilled
+        per step (0: whole prompts)."""
         if spec.mode is not Mode.AR and draft is None:
             raise ValueError(f"mode {spec.mode.value!r} needs a draft rank")
         self.target = target
@@ -180,8 +189,13 @@ class TargetLoop:
         self.eos_token_ids = tuple(eos_token_ids)
         self.draft = draft if spec.mode is not Mode.AR else None
         # Rounds after prefill; prefill itself always runs on ``target``.
-        self.verifier = verifier if verifier is not None else ExecutorVerifier(target, spec.k)
+        self.verifier = verifier if verifier is not None else ExecutorVerifier(target)
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be a non-negative int; got {prefill_chunk!r}")
+        self.prefix_cache = PrefixCache(target, prefix_cache_seqs)
+        self.prefill_chunk = prefill_chunk
         self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Sequence] = []  # admitted, their prompts not all prefilled yet
         self.running: list[Sequence] = []
         self.finished: dict[int, Sequence] = {}
         self.metrics = SpeculationMetrics()
@@ -189,7 +203,10 @@ class TargetLoop:
         self._round = 0
         self._released: list[int] = []
         self._last_verify_s = 0.0
+        self._target_s: dict[int, float] | None = None  # the target's timed forwards, once
         self.chooser = RoundChooser(ceiling=self._speculation_ceiling())
+        self.lengths = (LengthChooser(spec.k, self._verify_costs())
+                        if spec.k_per_round and self.draft is not None else None)
         self.lending = lending  # plain rounds (and prefill without a live draft) borrow the draft's cores
         self._draft_busy_until = 0.0  # when the draft ends the pre-speculation it began after its last reply
         self._last_prespec_s = 0.0
@@ -201,14 +218,32 @@ class TargetLoop:
         if not (self.spec.plain_under_load and self.draft is not None and self.draft.step_s
                 and isinstance(self.verifier, ExecutorVerifier)):
             return None
-        try:
-            rows = min(CEILING_MAX_ROWS, self.max_batch * (self.spec.k + 1))
-            target_s = calibrated_forwards(self.target, rows, side="target")
-        except Exception:  # noqa: BLE001 - an optimisation: load control then tries speculation
-            log.exception("timing the target's forwards failed; load control tries speculation")
-            return None
+        target_s = self._target_forwards()
+        if target_s is None:
+            return None  # load control then tries speculation
         return speculation_ceiling(CostCurve.from_mapping(self.draft.step_s, "draft forward seconds"),
                                    CostCurve.from_mapping(target_s, "target forward seconds"), self.spec.k)
+
+    def _target_forwards(self) -> dict[int, float] | None:
+        """The target's forward seconds by rows, timed here on the target's cores (once per
+        machine and model); None where that failed."""
+        if self._target_s is None:
+            try:
+                rows = min(CEILING_MAX_ROWS, self.max_batch * (self.spec.k + 1))
+                self._target_s = calibrated_forwards(self.target, rows, side="target")
+            except Exception:  # noqa: BLE001 - an optimisation
+                log.exception("timing the target's forwards failed")
+                return None
+        return self._target_s
+
+    def _verify_costs(self) -> StepCostModel:
+        """K per round's verify seconds by rows: the timed forwards' shape where the loop's own
+        executor verifies, else a linear prior; scaled by every verify observed."""
+        costs = StepCostModel()
+        timed = self._target_forwards() if isinstance(self.verifier, ExecutorVerifier) else None
+        if timed:
+            costs.calibrate(timed)
+        return costs
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -244,7 +279,7 @@ class TargetLoop:
         self.verifier.check(params)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     @property
     def speculating(self) -> bool:
@@ -254,12 +289,14 @@ class TargetLoop:
 
     def step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
-        self._admit(outputs)
-        if outputs:
-            # New requests' first tokens go out now: holding them for a whole speculative round
-            # would add that round to their time to first token. Rounds resume next step.
-            self._retire()
-            return outputs
+        self._admit()
+        if self.prefilling:
+            self._prefill(outputs)
+            if outputs:
+                # New requests' first tokens go out now: holding them for a whole speculative round
+                # would add that round to their time to first token. Rounds resume next step.
+                self._retire()
+                return outputs
         if self.running:
             if self.speculating and self._speculate_now():
                 try:
@@ -271,36 +308,88 @@ class TargetLoop:
         self._retire()
         return outputs
 
-    def _admit(self, outputs: list[StepOutput]) -> None:
-        new = []
-        while self.waiting and len(self.running) + len(new) < self.max_batch:
-            new.append(self.waiting.popleft())
-        if not new:
-            return
-        self._release_on_draft()  # before the draft must hold the new sequences
-        to_draft = self.speculating and self._draft_prefills_now(len(self.running) + len(new))
-        self._take_cores(plain=not to_draft)
-        for seq in new:
-            if to_draft and seq.params.max_tokens > 0:  # a prompt-only request never reaches the draft
-                self._prefill_on_draft(seq)
-            self.target.add_sequence(seq.seq_id)
+    def _admit(self) -> None:
+        """Waiting requests join while the batch has room, each with its cached prompt prefix."""
+        admitted = False
+        while self.waiting and len(self.running) + len(self.prefilling) < self.max_batch:
+            seq = self.waiting.popleft()
+            # Prompt logprobs need every prompt row's logits: such a request prefills it all.
+            seq.prefilled = seq.num_cached_tokens = self.prefix_cache.start(
+                seq.seq_id, seq.prompt, reuse=seq.params.prompt_logprobs is None)
+            self.prefilling.append(seq)
+            admitted = True
+        if admitted:
+            self._release_on_draft()  # before the draft must hold the new sequences
+
+    def _prefill(self, outputs: list[StepOutput]) -> None:
+        """One step's prefill: the next piece of each waiting prompt, within the step's token
+        budget (``prefill_chunk``). A sequence whose prompt is all in goes to the running batch
+        with its first token."""
+        pieces = self._prefill_pieces()
+        # The draft prefills beside the target: a sequence it was given its first piece of, or,
+        # when its first piece is now, as load control expects speculation (_draft_prefills_now).
+        to_draft = self.speculating and self._draft_prefills_now(len(self.running) + len(self.prefilling))
+        sends = [s.on_draft or (to_draft and s.prefilled == s.num_cached_tokens and s.params.max_tokens > 0)
+                 for s, _ in pieces]
+        self._take_cores(plain=not any(sends))
+        for (seq, end), send in zip(pieces, sends):
+            if send:
+                self._prefill_on_draft(seq, end)
         t0 = time.perf_counter()
-        # Per sequence, its prompt's logits: the last row only, or every row for prompt logprobs.
-        rows = [r for group in self._prefill_groups(new) for r in self.target.forward(group)]
-        if to_draft:  # the draft prefills the same prompts, then pre-speculates their first round
+        # Per piece, its logits: the last row only, or every row for prompt logprobs.
+        rows = [r for group in self._prefill_groups(pieces) for r in self.target.forward(group)]
+        if any(sends):  # the draft prefills the same pieces, then pre-speculates first rounds
             now = time.perf_counter()
             self._draft_busy_until = max(self._draft_busy_until, now + max(now - t0, self._last_prespec_s))
-        for seq, r in zip(new, rows):
-            self.target.commit(seq.seq_id, len(seq.prompt))
+        done = []
+        for (seq, end), r in zip(pieces, rows):
+            self.target.commit(seq.seq_id, end - seq.prefilled)
+            seq.prefilled = end
+            if end == len(seq.prompt):
+                done.append((seq, r))
+        for seq, r in done:
+            self.prefilling.remove(seq)
+            self.prefix_cache.index(seq.seq_id, seq.prompt)
             if seq.params.prompt_logprobs is not None:
                 seq.prompt_logprobs = prompt_logprobs(r, seq.prompt, seq.params)
             self.running.append(seq)  # a prompt-only one leaves again at this step's _retire
-        generating = [(seq, r[-1]) for seq, r in zip(new, rows) if seq.params.max_tokens > 0]
-        for seq in new:
             if seq.params.max_tokens == 0:
                 self._finish_prompt_only(seq, outputs)
+        generating = [(seq, r[-1]) for seq, r in done if seq.params.max_tokens > 0]
         if generating:
             self._first_tokens([s for s, _ in generating], torch.stack([r for _, r in generating]), outputs)
+
+    def _prefill_pieces(self) -> list[tuple[Sequence, int]]:
+        """(sequence, prompt end) of this step's prefill, in admission order, within the token
+        budget; the first sequence always gets a piece, so every prompt progresses. A piece ends
+        where the executor can split a prompt exactly (`PromptSplits`); a request asking for
+        prompt logprobs is prefilled whole."""
+        left = self.prefill_chunk or float("inf")
+        pieces: list[tuple[Sequence, int]] = []
+        for seq in self.prefilling:
+            end = self._piece_end(seq, left, first=not pieces)
+            if end is None:
+                break
+            pieces.append((seq, end))
+            left -= end - seq.prefilled
+            if left <= 0:
+                break
+        return pieces
+
+    def _piece_end(self, seq: Sequence, left: float, first: bool) -> int | None:
+        """Where this step's piece of a prompt ends: all of it if it fits the tokens ``left``,
+        else the last exact split within them; None when nothing fits (the step's first piece
+        is never None: at least the prompt's first exact split)."""
+        start, length = seq.prefilled, len(seq.prompt)
+        if length - start <= left:
+            return length
+        if seq.params.prompt_logprobs is not None:
+            return length if first else None
+        splits = getattr(self.target, "prompt_splits", PromptSplits())
+        end = splits.last_split(start, int(start + left), length)
+        if end is None and first:
+            end = splits.next_split(start, length)
+        return end
 
     def _first_tokens(self, seqs: list[Sequence], logits: torch.Tensor, outputs: list[StepOutput]) -> None:
         """Sample and emit each new sequence's first token from its prompt's last logits [B, V]."""
@@ -325,21 +414,23 @@ class TargetLoop:
         then)."""
         return not (self.spec.plain_under_load and self.chooser.expects_plain(batch))
 
-    def _prefill_on_draft(self, seq: Sequence) -> None:
-        seq.on_draft = self.draft.send(P.Prefill(seq.seq_id, tuple(seq.prompt), seq.params))
+    def _prefill_on_draft(self, seq: Sequence, upto: int | None = None) -> None:
+        seq.on_draft = self.draft.send(P.Prefill(seq.seq_id, tuple(seq.prompt), seq.params, upto))
 
-    def _prefill_groups(self, seqs: list[Sequence]) -> list[list]:
-        """Prompt chunks grouped so no forward exceeds the executor's token budget."""
-        budget = getattr(self.target, "max_batch_tokens", None) or sum(len(s.prompt) for s in seqs)
+    def _prefill_groups(self, pieces: list[tuple[Sequence, int]]) -> list[list]:
+        """Prompt pieces grouped so no forward exceeds the executor's token budget."""
+        budget = getattr(self.target, "max_batch_tokens", None) or sum(e - s.prefilled for s, e in pieces)
         groups, current, size = [], [], 0
-        for s in seqs:
-            if current and size + len(s.prompt) > budget:
+        for s, end in pieces:
+            n = end - s.prefilled
+            if current and size + n > budget:
                 groups.append(current)
                 current, size = [], 0
             # Prompt logprobs need every row's logits; the KV is the same either way (Chunk.prompt).
-            chunk = chain_chunk(s.seq_id, s.prompt, 0, last_logits_only=s.params.prompt_logprobs is None)
+            chunk = chain_chunk(s.seq_id, s.prompt[s.prefilled:end], s.prefilled,
+                                last_logits_only=s.params.prompt_logprobs is None)
             current.append(dataclasses.replace(chunk, prompt=True))
-            size += len(s.prompt)
+            size += n
         groups.append(current)
         return groups
 
@@ -404,7 +495,9 @@ class TargetLoop:
         t1 = time.perf_counter()
         self._draft_busy_until = t1 + reply.prespec_time_s
         self._last_prespec_s = reply.prespec_time_s
-        k = self.spec.k
+        # K per round: the first k of the draft's K proposals (a prefix of a speculation is one).
+        k = self.lengths.choose(len(seqs)) if self.lengths is not None else self.spec.k
+        tokens, probs = tokens[:, :k], None if probs is None else probs[:, :k]
         result = self.verifier.verify(seqs, tokens, probs, reply.point_mass)
         t2 = time.perf_counter()
         self._last_verify_s = t2 - t1
@@ -412,11 +505,13 @@ class TargetLoop:
                      draft_answer_time_s=reply.answer_time_s, draft_prespec_time_s=reply.prespec_time_s)
         self.metrics.add_times(**times)
         accepted, bonus = result.num_accepted, result.bonus
+        if self.lengths is not None:
+            self.lengths.observe(k, list(accepted), len(seqs) * (k + 1), t2 - t1, t1 - t0)
         proposals = tokens.tolist()
         total_emitted = 0
         for i, seq in enumerate(seqs):
             n = accepted[i]
-            seq.outcome = P.Outcome(seq.seq_id, n, bonus[i])
+            seq.outcome = P.Outcome(seq.seq_id, n, bonus[i], num_drafts=k)
             emitted = self._emit(seq, proposals[i][:n] + [bonus[i]], outputs,
                                  result.logprobs[i] if result.logprobs else None)
             total_emitted += emitted
@@ -424,6 +519,8 @@ class TargetLoop:
             seq.metrics.record_round(k, min(n, emitted), reply.sources[i])
             seq.metrics.add_times(**times)
             seq.metrics.tree_branches += reply.tree_branches
+            if reply.cached_tokens:
+                seq.metrics.draft_cached_tokens = reply.cached_tokens[i]
             seq.spec_streak += 1
         self.chooser.observe(True, len(seqs), total_emitted, time.perf_counter() - t0, steady=steady)
 
@@ -466,16 +563,17 @@ class TargetLoop:
             self._release_if_idle()
 
     def _free(self, seq: Sequence) -> None:
-        """A sequence that left the running batch: its target rows go now, the draft's with the
-        next message to the draft; its counts join the loop's."""
+        """A sequence that left the running batch (or its prefill): its target rows go now, or
+        stay in the prefix cache; the draft's go with the next message to the draft; its counts
+        join the loop's."""
         seq.finish_time = time.perf_counter()
-        self.target.release(seq.seq_id)
+        self.prefix_cache.finish(seq.seq_id)
         if seq.on_draft:
             self._released.append(seq.seq_id)
         self.metrics.merge(seq.metrics, times=False)  # round times were added once per round
 
     def _release_if_idle(self) -> None:
-        if not self.running and not self.waiting:  # no round's request will carry them soon
+        if not self.has_unfinished():  # no round's request will carry them soon
             self._release_on_draft()
 
     def _release_on_draft(self) -> None:
@@ -511,10 +609,10 @@ class TargetLoop:
             self.waiting.remove(seq)  # never admitted: no rows anywhere
             seq.finish_time = time.perf_counter()
         else:
-            seq = next((s for s in self.running if s.seq_id == seq_id), None)
+            seq = next((s for s in self.running + self.prefilling if s.seq_id == seq_id), None)
             if seq is None:
                 return None
-            self.running.remove(seq)
+            (self.running if seq in self.running else self.prefilling).remove(seq)
             self._free(seq)
         seq.finish_reason = reason
         self._release_if_idle()

@@ -24,6 +24,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 TREE_WIDTH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
+LENGTH_BUCKETS = tuple(range(1, 17))  # k is at most 16
 FRACTION_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 LABELS = ("model_name", "engine")  # vLLM's, on every series
@@ -74,6 +75,11 @@ METRICS = (
     _counter("prompt_tokens", "vllm:prompt_tokens", "Prompt tokens of finished requests."),
     _counter("generation_tokens", "vllm:generation_tokens", "Generated tokens of finished requests."),
     _counter("request_success", "vllm:request_success", "Finished requests by finish reason.", "finished_reason"),
+    # vLLM: prefix caching (token counts, as vLLM counts them)
+    _counter("prefix_cache_queries", "vllm:prefix_cache_queries", "Prompt tokens of finished requests, looked up in "
+             "the prefix cache."),
+    _counter("prefix_cache_hits", "vllm:prefix_cache_hits", "Prompt tokens the target's prefix cache gave (not "
+             "prefilled)."),
     _histogram("ttft", "vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS),
     _histogram("itl", "vllm:inter_token_latency_seconds", "Time between successive streamed deltas of a request.",
                ITL_BUCKETS),
@@ -94,10 +100,14 @@ METRICS = (
     _counter("backups", "trtssd:spec_decode_backups", "Cache misses by the backup that answered them.", "kind"),
     _counter("tree_branches", "trtssd:spec_decode_tree_branches",
              "Tree branches per sequence, summed over rounds (/ num_drafts = the mean fan-out budget used)."),
+    _histogram("spec_length", "trtssd:spec_decode_num_verified_drafts",
+               "Proposals verified per round of each request (K, or K per round's choice).", LENGTH_BUCKETS),
     _histogram("tree_width", "trtssd:spec_decode_tree_width",
                "Mean tree branches per round of each request: the fan-out budget chosen (a dashboard name, kept).", TREE_WIDTH_BUCKETS),
     _histogram("overlap", "trtssd:overlap_efficiency",
                "Share of each request's rounds the target spent verifying, not waiting.", FRACTION_BUCKETS),
+    _counter("draft_prefix_cache_hits", "trtssd:draft_prefix_cache_hits",
+             "Prompt tokens the draft rank's prefix cache gave it (not prefilled there)."),
     _counter("degraded_rounds", "trtssd:degraded_rounds", "Rounds decoded without the draft (lost draft: ar mode)."),
     _counter("plain_rounds", "trtssd:plain_rounds",
              "Rounds load control decoded plainly because that measured faster."),
@@ -133,7 +143,9 @@ class RequestAdditions:
 def request_additions(record: RequestOutput) -> RequestAdditions:
     m = record.speculation
     increments = {("prompt_tokens", None): record.prompt_tokens, ("generation_tokens", None): record.completion_tokens,
-                  ("request_success", record.finish_reason): 1}
+                  ("request_success", record.finish_reason): 1, ("prefix_cache_queries", None): record.prompt_tokens,
+                  ("prefix_cache_hits", None): record.num_cached_tokens,
+                  ("draft_prefix_cache_hits", None): m.draft_cached_tokens}
     increments.update(((key, None), getattr(m, key)) for key in _SPEC_TOTALS)
     increments.update((("accepted_per_pos", str(p)), n) for p, n in enumerate(m.accepted_per_position))
     increments.update((("backups", kind), getattr(m, field)) for kind, field in BACKUPS)
@@ -146,6 +158,7 @@ def _observations(record: RequestOutput) -> tuple[tuple[str, float], ...]:
     out = [] if record.ttft_s is None else [("ttft", record.ttft_s)]  # None: aborted before its first token
     out += [("itl", gap) for gap in record.token_gaps_s]
     out.append(("e2e", record.e2e_s))
+    out += [("spec_length", k) for k, rounds in enumerate(m.rounds_by_length, start=1) for _ in range(rounds)]
     if m.tree_branches:  # SSD rounds only (sd has no tree)
         out.append(("tree_width", m.tree_branches / m.num_drafts))
     if m.round_time_s > 0:

@@ -1,0 +1,228 @@
+"""Prefix caching and chunked prefill (trtssd/runtime/prefix_cache.py, TargetLoop._prefill): a
+prompt split where the executor allows it writes one prefill's KV (bit for bit on llama.cpp), the
+cache finds the longest cached prefix, never a wrong one, and evicts least recently used without
+losing a request; outputs with the cache and with chunks equal outputs without, on both ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from trtssd import LLM, ModelRef, SamplingParams
+from trtssd.backends.base import CapacityError, PromptSplits, chain_chunk
+from trtssd.runtime import prefix_cache as prefix_cache_module
+from trtssd.runtime.prefix_cache import PrefixCache
+
+
+def _prompt(n: int, seed: int, vocab: int = 2000) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def _prefill(ex, seq_id: int, tokens: list[int], start: int) -> torch.Tensor:
+    chunk = dataclasses.replace(chain_chunk(seq_id, tokens, start, last_logits_only=True), prompt=True)
+    row = ex.forward([chunk])[0][-1]
+    ex.commit(seq_id, len(tokens))
+    return row
+
+
+# --- where a prompt may be split ---------------------------------------------------------------
+
+def test_tiled_splits_keep_each_row_on_one_prefills_kernels():
+    pytest.importorskip("llama_cpp")
+    from trtssd.backends.ggml_backend import TiledPromptSplits
+
+    s = TiledPromptSplits()
+    assert [at for at in range(1, 300) if s.allows(at, 300)] == [64, 128, 192]  # the rest at 256 is 44 < 64
+    # At the cut (512) the short rest is a piece of one prefill too.
+    assert [at for at in range(1, 530) if s.allows(at, 530)] == [64, 128, 192, 256, 320, 384, 448, 512]
+    assert not s.allows(512, 513)  # one prefill decodes a last single token with its neighbour
+    assert s.last_split(0, 300, 1100) == 256 and s.last_split(256, 300, 1100) is None
+    assert s.next_split(0, 300) == 64 and s.next_split(192, 300) == 300
+    assert PromptSplits().last_split(10, 50, 40) == 39 and PromptSplits().next_split(10, 40) == 11
+
+
+@pytest.mark.parametrize("length", [200, 600])
+def test_ggml_prompt_split_where_allowed_equals_one_prefill_bit_for_bit(length):
+    """Every allowed split (a cached prefix, or chunked prefill's cut) gives the prompt's last
+    logits and the next forward's bit for bit, on the default engine's GGUF."""
+    pytest.importorskip("llama_cpp")
+    from trtssd.backends.ggml_backend import GgmlExecutor
+    from trtssd.models.smollm2 import ensure_smollm2_gguf
+
+    ex = GgmlExecutor(ensure_smollm2_gguf(), max_seqs=2, max_seq_len=700, threads=1)
+    prompt = _prompt(length, length)
+    ex.add_sequence(0)
+    whole = _prefill(ex, 0, prompt, 0)
+    after = ex.forward([chain_chunk(0, [5, 6, 7], length)])[0]
+    ex.release(0)
+    splits = [at for at in range(1, length) if ex.prompt_splits.allows(at, length)]
+    assert splits
+    for i, at in enumerate(sorted({splits[0], splits[len(splits) // 2], splits[-1]}), start=1):
+        ex.add_sequence(i)
+        _prefill(ex, i, prompt[:at], 0)
+        assert torch.equal(_prefill(ex, i, prompt[at:], at), whole), at
+        assert torch.equal(ex.forward([chain_chunk(i, [5, 6, 7], length)])[0], after), at
+        ex.release(i)
+    ex.close()
+
+
+# --- the cache's bookkeeping --------------------------------------------------------------------
+
+class _Rows:
+    """An executor's sequence bookkeeping alone (what PrefixCache calls), recording shares."""
+
+    prompt_splits = PromptSplits()
+
+    def __init__(self, max_seqs: int):
+        self.max_seqs, self.live, self.shares, self.committed = max_seqs, set(), [], {}
+
+    def add_sequence(self, seq_id):
+        if len(self.live) >= self.max_seqs:
+            raise CapacityError("full")
+        self.live.add(seq_id)
+
+    def release(self, seq_id):
+        self.live.discard(seq_id)
+
+    def share_prefix(self, src, dst, n):
+        assert src in self.live and dst in self.live
+        self.shares.append((src, dst, n))
+
+
+def test_longest_cached_prefix_is_shared_and_counted():
+    rows = _Rows(8)
+    cache = PrefixCache(rows, max_kept=4)
+    a, b = _prompt(100, 1), _prompt(100, 2)
+    assert cache.start(0, a) == 0
+    cache.index(0, a)
+    cache.finish(0)  # kept
+    assert cache.start(1, b) == 0
+    assert cache.start(2, a[:70] + b) == 64  # whole 16-token blocks only
+    assert cache.start(3, a) == 96  # never the whole prompt: its last logits must be computed
+    assert rows.shares == [(0, 2, 64), (0, 3, 96)]
+    assert (cache.queried_tokens, cache.hit_tokens) == (100 + 100 + 170 + 100, 64 + 96)
+    cache.index(1, b)  # a running sequence holds its blocks too
+    assert cache.start(4, b + [7]) == 96 and rows.shares[-1][0] == 1
+    assert cache.start(5, a, reuse=False) == 0  # a request that wants every prompt row's logits
+
+
+def test_least_recently_used_goes_first_and_a_full_executor_evicts_instead_of_refusing():
+    rows = _Rows(3)
+    cache = PrefixCache(rows, max_kept=2)
+    prompts = [_prompt(40, seed) for seed in range(3)]
+    for i, p in enumerate(prompts):
+        cache.start(i, p)
+        cache.index(i, p)
+        cache.finish(i)
+    assert rows.live == {1, 2}  # max_kept 2: the oldest (0) went
+    assert cache.start(10, prompts[1] + [1]) == 32  # 1 is now the most recently used
+    cache.start(11, _prompt(40, 9))  # the executor is full: the least recently used (2) goes
+    assert rows.live == {1, 10, 11}
+    with pytest.raises(CapacityError):  # only running sequences left: the executor's own error
+        cache.start(12, _prompt(40, 8)), cache.start(13, _prompt(40, 7))
+
+
+def test_a_hash_collision_is_a_miss_never_a_wrong_prefix(monkeypatch):
+    monkeypatch.setattr(prefix_cache_module, "block_hashes", lambda tokens, block: [7] * (len(tokens) // block))
+    rows = _Rows(4)
+    cache = PrefixCache(rows, max_kept=2)
+    cache.start(0, _prompt(64, 1))
+    cache.index(0, _prompt(64, 1))
+    assert cache.start(1, _prompt(64, 2)) == 0 and not rows.shares
+
+
+def test_an_executor_without_share_prefix_caches_nothing():
+    class NoShare:
+        def __init__(self):
+            self.live = set()
+
+        add_sequence, release = _Rows.add_sequence, _Rows.release
+        max_seqs = 2
+
+    rows = NoShare()
+    cache = PrefixCache(rows, max_kept=4)
+    assert not cache.enabled
+    cache.start(0, _prompt(64, 1))
+    cache.index(0, _prompt(64, 1))
+    cache.finish(0)
+    assert rows.live == set()
+
+
+# --- outputs with and without ------------------------------------------------------------------
+
+VOCAB = 64  # the tiny pair's (tests/tiny_models.py); the tiny GGUF's is larger
+SHARED = _prompt(150, 42, vocab=VOCAB)
+PROMPTS = [SHARED + _prompt(n, seed, vocab=VOCAB) for n, seed in ((20, 1), (3, 2), (90, 3))] + [_prompt(30, 4, VOCAB)]
+
+
+def _outputs(llm: LLM, params: SamplingParams) -> tuple[list[list[int]], list[int], list[int]]:
+    """Greedy outputs of PROMPTS one after another (each may reuse the ones before), with the
+    prompt tokens each took from the target's and the draft's caches."""
+    outs = [llm.generate([p], params)[0] for p in PROMPTS + PROMPTS[:1]]
+    return ([o.token_ids for o in outs], [o.num_cached_tokens for o in outs],
+            [o.speculation.draft_cached_tokens for o in outs])
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_torch_outputs_with_prefix_cache_and_chunks_equal_outputs_without(tiny_llm, mode):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with tiny_llm(mode=mode, prefix_cache_seqs=0, prefill_chunk=0, k=3, plain_under_load=False) as llm:
+        expected, cached, _ = _outputs(llm, params)
+    assert cached == [0] * 5
+    with tiny_llm(mode=mode, prefix_cache_seqs=2, prefill_chunk=48, k=3, plain_under_load=False) as llm:
+        got, cached, draft_cached = _outputs(llm, params)
+    assert got == expected
+    # The second and third share the first's 150 tokens in 16-token blocks. The first's own
+    # blocks were evicted by then (two kept): its repeat finds the shared part in the third's.
+    assert cached == [0, 144, 144, 0, 144]
+    if mode != "ar":
+        assert draft_cached == cached
+
+
+@pytest.mark.parametrize("mode", ["ar", "ssd"])
+def test_ggml_outputs_with_prefix_cache_and_chunks_equal_outputs_without(tmp_path_factory, mode):
+    pytest.importorskip("llama_cpp")
+    from ggml_models import write_tiny_gguf
+
+    gguf = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", tensor_type="q8_0", scale=0.3,
+                           vocab_size=VOCAB + 200)
+    ref = ModelRef(str(gguf), backend="ggml")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    options = dict(target=ref, draft=ref, mode=mode, launch="local", k=3, max_batch=2, max_seq_len=320,
+                   plain_under_load=False)
+    with LLM(**options, prefix_cache_seqs=0, prefill_chunk=0) as llm:
+        expected, _, _ = _outputs(llm, params)
+    with LLM(**options, prefix_cache_seqs=2, prefill_chunk=64) as llm:
+        got, cached, draft_cached = _outputs(llm, params)
+    assert got == expected
+    # The target reuses 64-token tiles leaving at least 64 tokens (or a 512 cut) to prefill.
+    assert cached == [0, 64, 128, 0, 64]
+    if mode != "ar":
+        assert draft_cached == [0, 144, 144, 0, 144]  # the draft's rows need no such care
+
+
+def test_chunked_prefill_interleaves_a_long_prompt_with_running_rounds(tiny_llm):
+    """A long prompt arriving beside a running stream is prefilled in pieces, with a round of the
+    running stream between them: the stream's tokens keep coming while it prefills."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with tiny_llm(mode="ar", prefill_chunk=32, prefix_cache_seqs=0) as llm:
+        loop = llm.loop
+        runner = loop.new_sequence(_prompt(10, 1, vocab=VOCAB), params)
+        loop.add(runner)
+        while not runner.output:
+            loop.step()
+        long = loop.new_sequence(_prompt(200, 2, vocab=VOCAB), dataclasses.replace(params, max_tokens=2))
+        loop.add(long)
+        steps, tokens_meanwhile = 0, len(runner.output)
+        while not long.output:
+            loop.step()
+            steps += 1
+        tokens_meanwhile = len(runner.output) - tokens_meanwhile
+        while loop.has_unfinished():
+            loop.step()
+    assert steps == 7  # 200 tokens in pieces of 32
+    assert tokens_meanwhile == 6  # a round between pieces; the last piece's step emits the first token

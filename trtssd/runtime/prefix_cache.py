@@ -1,0 +1,140 @@
+"""Prefix caching: a prompt's KV kept and found again by its tokens, so a request that repeats a
+prefix (a system prompt, earlier turns of a chat, tool schemas) prefills only the rest.
+
+Each rank keeps its own, over its own executor: the target for its prefill, the draft for its
+(the draft sees every prompt the target does, so it finds the same prefixes).
+
+- Prompts are cut into blocks of the executor's `PromptSplits.block` tokens. A block is known by
+  the hash of its tokens and of every block before it (vLLM's chained block hash), so a hash
+  names a whole prefix, and the longest run of known hashes is the longest cached prefix.
+- A *holder* is a sequence in the executor whose committed prompt holds those blocks: a running
+  one, or a finished one kept for reuse. A new sequence shares the holder's prefix through
+  `Executor.share_prefix` (llama.cpp: the same cells under one more sequence id; torch: a copy of
+  the rows), then prefills what follows it.
+- Finished holders are kept up to ``max_kept`` and evicted least recently used first, also when
+  the executor has no room for a new sequence, so the cache never refuses a request.
+- A cached prefix must give a fresh prefill's KV and logits, so it ends only where the executor
+  allows a prompt to be split (`PromptSplits.allows`: anywhere on torch; on llama.cpp where the
+  rest stays on the kernels one prefill uses), and only KV written by a prompt's prefill is
+  indexed, never generated tokens: they are decoded in other forward shapes, so their KV can
+  differ in the last bits from what a prefill of the same tokens writes.
+- A hit is checked token by token against the holder's prompt: a hash collision costs a miss,
+  never a wrong prefix.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from trtssd.backends.base import CapacityError, Executor, PromptSplits
+
+
+def block_hashes(tokens: list[int], block: int) -> list[int]:
+    """The chained hash of each whole block of ``tokens``."""
+    hashes, parent = [], 0
+    for start in range(0, len(tokens) - block + 1, block):
+        parent = hash((parent, tuple(tokens[start:start + block])))
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass
+class _Holder:
+    prompt: list[int]
+    hashes: list[int]
+
+
+class PrefixCache:
+    def __init__(self, executor: Executor, max_kept: int):
+        if not isinstance(max_kept, int) or max_kept < 0:
+            raise ValueError(f"prefix_cache_seqs must be a non-negative int; got {max_kept!r}")
+        self.executor = executor
+        self.max_kept = max_kept if hasattr(executor, "share_prefix") else 0
+        self.splits: PromptSplits = getattr(executor, "prompt_splits", PromptSplits())
+        self._holders: dict[int, _Holder] = {}  # seq_id -> its indexed prompt (running or kept)
+        self._by_hash: dict[int, dict[int, None]] = {}  # block hash -> holders (insertion-ordered)
+        self._kept: OrderedDict[int, None] = OrderedDict()  # finished holders, least recently used first
+        self.queried_tokens = 0  # prompt tokens looked up
+        self.hit_tokens = 0  # prompt tokens found
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_kept > 0
+
+    def start(self, seq_id: int, prompt: list[int], reuse: bool = True) -> int:
+        """Add ``seq_id`` to the executor with the longest cached prefix of its prompt; returns
+        that prefix's length (0 on a miss). ``reuse`` False starts it empty (a request that
+        wants every prompt row's logits)."""
+        found = self._lookup(prompt) if reuse and self.enabled else None
+        self._add(seq_id)
+        if self.enabled:
+            self.queried_tokens += len(prompt)
+        if found is None:
+            return 0
+        holder, n = found
+        self.executor.share_prefix(holder, seq_id, n)
+        if holder in self._kept:
+            self._kept.move_to_end(holder)
+        self.hit_tokens += n
+        return n
+
+    def index(self, seq_id: int, prompt: list[int]) -> None:
+        """Make a sequence whose prompt is prefilled and committed a holder of its blocks."""
+        if not self.enabled:
+            return
+        hashes = block_hashes(prompt, self.splits.block)
+        if not hashes:
+            return  # shorter than a block: nothing to find it by
+        self._holders[seq_id] = _Holder(list(prompt), hashes)
+        for h in hashes:
+            self._by_hash.setdefault(h, {})[seq_id] = None
+
+    def finish(self, seq_id: int) -> None:
+        """A sequence ended: kept for reuse if it holds blocks, else released."""
+        if seq_id not in self._holders:
+            self.executor.release(seq_id)
+            return
+        self._kept[seq_id] = None
+        while len(self._kept) > self.max_kept:
+            self._evict_oldest()
+
+    def clear(self) -> None:
+        """Release every kept sequence."""
+        while self._kept:
+            self._evict_oldest()
+
+    def _lookup(self, prompt: list[int]) -> tuple[int, int] | None:
+        """(holder, tokens) of the longest reusable cached prefix, or None."""
+        best = None
+        for i, h in enumerate(block_hashes(prompt, self.splits.block)):
+            n = (i + 1) * self.splits.block
+            holders = self._by_hash.get(h)
+            if n >= len(prompt) or not holders:
+                break
+            holder = next(reversed(holders))  # the newest: the likeliest to stay
+            if self._holders[holder].prompt[:n] != prompt[:n]:
+                break  # a hash collision
+            if self.splits.allows(n, len(prompt)):
+                best = (holder, n)
+        return best
+
+    def _add(self, seq_id: int) -> None:
+        while True:
+            try:
+                self.executor.add_sequence(seq_id)
+                return
+            except CapacityError:
+                if not self._kept:
+                    raise
+                self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        seq_id, _ = self._kept.popitem(last=False)
+        holder = self._holders.pop(seq_id)
+        for h in holder.hashes:
+            holders = self._by_hash[h]
+            del holders[seq_id]
+            if not holders:
+                del self._by_hash[h]
+        self.executor.release(seq_id)

@@ -1,0 +1,468 @@
+"""A tensor-parallel target on T processes: rank 0 leads, ranks 1..T-1 follow.
+
+Rank 0 is the process that runs the target loop (``LLM``). Its executor is a
+`TensorParallelExecutor`: the Executor protocol (trtssd/backends/base.py) over rank 0's own shard
+of the model (trtssd/models/tensor_parallel.py), which sends every call that changes the KV state
+to the followers, so the target loop is the T = 1 loop unchanged. Each follower
+(`trtssd.runtime.tensor_parallel_rank`) holds its shard in an ordinary ``TorchExecutor`` and makes
+the same calls in the same order, so every rank's sequence bookkeeping and KV stay identical; the
+forwards meet in the shards' all-reduces and the head's all-gather, and every rank computes the
+full logits (rank 0 verifies with its own; the followers drop theirs). Only rank 0 talks to the
+draft, which stays one rank of its own as at T = 1.
+
+How the calls travel. Bookkeeping calls (add_sequence, commit, release, share_prefix,
+copy_slots) run on rank 0 first and are queued only when they succeeded, so a call rank 0 refuses
+never reaches a follower; the queue goes out with the next forward, in one message (`Mirror`),
+broadcast over a gloo group of its own (the *control* group): one message per forward, however
+many rows a round commits. A forward is sent before rank 0 runs it: the ranks must run it
+together. A forward that fails its checks (a ValueError or CapacityError, raised before any
+collective) fails the same way on every rank, and followers go on. The model's collectives run
+on the *compute* group (the default process group): gloo on CPU, NCCL on CUDA (written, not run:
+rank r on device index base + r). Two groups because their waits differ: a follower waits for
+its next call as long as the target idles (the control group's timeout is practically
+unbounded, and gloo waits without spinning), while a collective inside a forward waits only for
+a peer computing the same layer (`COLLECTIVE_TIMEOUT_S` bounds a stopped or hung rank).
+
+How followers start, and why this way. ``LLM`` starts them itself as plain processes
+(``python -m trtssd.runtime.tensor_parallel_rank``, each in a session of its own through
+`ProcessTree`), for launch "spawn" and "local" alike; the ranks meet through a
+torch.distributed TCPStore that rank 0 serves on the loopback. No MPI is involved: gloo and
+NCCL need only the store, a follower then creates no MPICH shared-memory segment or hydra file
+that a killed process would leave behind, and a dead follower cannot take rank 0 down with it,
+as MPICH ends every process of an MPI job when one dies. Under ``mpiexec -n T+1`` (launch
+"world") the same would hold for no rank, so tensor_parallel_size > 1 is refused there.
+
+Failures. A follower that exits (killed, crashed) is noticed before rank 0 sends a forward, or
+inside one (gloo reports the closed connection at once); a stopped one after
+`COLLECTIVE_TIMEOUT_S`. Either way the group is lost: rank 0 kills the remaining followers and
+every later call raises `TensorParallelLost`, which ends the requests in flight with that error
+(``LLM.generate`` raises it; a server fails its open streams with it). Nothing is left behind:
+followers hold no shared memory, only sockets. A follower whose rank 0 is gone exits: its wait
+for the next call fails on the closed connection, and `exit_with` watches rank 0's pid besides.
+A lost draft is unaffected: the loop degrades to ar on the whole target group, as at T = 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from trtssd.backends.base import CapacityError, Chunk
+from trtssd.backends.tensor_parallel import load_tensor_parallel_executor
+from trtssd.backends.torch_backend import TorchExecutor
+from trtssd.config import ModelRef, RuntimeConfig
+from trtssd.devices import resolve_device
+from trtssd.models.engine_dir import is_engine_dir, load_manifest
+from trtssd.models.loader import load_config
+from trtssd.models.tensor_parallel import check_tensor_parallel
+from trtssd.runtime.processes import ProcessTree
+
+log = logging.getLogger(__name__)
+
+# A collective waits for peers computing the same layer of the same forward: far less than this,
+# even for a long prompt; past it a stopped or hung rank counts as lost.
+COLLECTIVE_TIMEOUT_S = 300.0
+# A follower waits for its next call while the target idles, which may be for days.
+CONTROL_TIMEOUT = timedelta(days=3650)
+# Starting a follower: importing torch and reading the whole checkpoint (each rank keeps its slices).
+START_TIMEOUT_S = 600.0
+# How long close() lets followers exit by themselves after Shutdown before they are killed.
+EXIT_GRACE_S = 30.0
+# How long a failed collective waits to see which follower exited (its socket closes just before).
+EXIT_NOTICE_S = 2.0
+STORE_HOST = "127.0.0.1"  # every rank runs on this host
+JOINED_KEY = "trtssd/tensor_parallel/joined/{rank}"  # a follower is up and about to join the group
+POLL_S = 0.05
+
+
+class TensorParallelLost(RuntimeError):
+    """A target rank is gone: the tensor-parallel target cannot go on (requests in flight end
+    with this error; close the LLM)."""
+
+
+# --- messages: rank 0 -> followers, and back once at start ---------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardSetup:
+    """What a follower loads: its shard of the same weights, with rank 0's executor settings."""
+
+    weights: str  # Hugging Face directory or .gguf file
+    dtype: str  # "float32" or "bfloat16"
+    device: str  # rank 0's device ("cpu", "cuda:N"); rank r uses rank_device(device, r)
+    cores: tuple[int, ...] | None  # the target's cores (every target rank runs on them)
+    threads: int  # torch threads per rank
+    executor_options: dict[str, Any] = field(default_factory=dict)  # max_seqs, max_seq_len, ...
+
+
+@dataclass(frozen=True)
+class RankReady:
+    """A rank's answer to ShardSetup: loaded, or why not."""
+
+    rank: int
+    pid: int
+    error: str | None = None
+    load_time_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Mirror:
+    """The calls every follower makes next, in order: rank 0's bookkeeping calls since the last
+    message (each ``(method, args)``), then one forward of ``chunks`` (None: none), then exit
+    when ``shutdown``."""
+
+    calls: tuple[tuple[str, tuple], ...] = ()
+    chunks: tuple[Chunk, ...] | None = None
+    # Rank 0's committed length of each chunk's sequence: a follower whose own differ has missed
+    # a call, and exits at once instead of leaving rank 0 waiting in a collective that cannot pair.
+    committed: tuple[int, ...] = ()
+    shutdown: bool = False
+
+
+MIRRORED_CALLS = ("add_sequence", "release", "commit", "share_prefix", "copy_slots")
+REQUEST_ERRORS = (ValueError, CapacityError)  # raised by a forward's checks, before any collective
+
+
+def send(message: object, group: dist.ProcessGroup) -> None:
+    """Rank 0: one message to every follower (pickled, over the control group)."""
+    dist.broadcast_object_list([message], src=0, group=group)
+
+
+def receive(group: dist.ProcessGroup) -> object:
+    """A follower: the next message from rank 0 (waits as long as rank 0 is alive)."""
+    box: list = [None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def gather_ready(ready: RankReady, group: dist.ProcessGroup) -> list[RankReady]:
+    """Every rank's RankReady, on every rank."""
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, ready, group=group)
+    return out
+
+
+# --- the group -------------------------------------------------------------------------------------
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank ``rank``'s device: the host for "cpu", else the CUDA device ``rank`` places after rank 0's."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return str(dev)
+    return f"cuda:{(dev.index or 0) + rank}"
+
+
+def join_group(store: dist.Store, rank: int, size: int, device: str) -> dist.ProcessGroup:
+    """Join the compute group (the default process group: NCCL on CUDA, gloo on CPU) and return
+    the control group (gloo, for the calls). Collective: every rank calls it."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)  # before NCCL's first collective: one device per rank
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, rank=rank, world_size=size,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+
+def leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_shard(setup: ShardSetup, rank: int, size: int) -> TorchExecutor:
+    return load_tensor_parallel_executor(setup.weights, rank, size, dtype=_DTYPES[setup.dtype],
+                                         device=rank_device(setup.device, rank), **setup.executor_options)
+
+
+# --- rank 0 ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Follower:
+    rank: int
+    process: ProcessTree
+
+    @property
+    def pid(self) -> int:
+        return self.process.process.pid
+
+    def describe(self) -> str:
+        code = self.process.process.poll()
+        state = "running" if code is None else f"exited with code {code}"
+        return f"target rank {self.rank} (pid {self.pid}) {state}"
+
+
+class TensorParallelExecutor:
+    """Rank 0's executor: its own shard, every call that changes the KV state mirrored to the
+    followers (module docstring). Implements the Executor protocol; ``close`` ends the followers."""
+
+    def __init__(self, shard: TorchExecutor, control: dist.ProcessGroup, followers: list[Follower],
+                 store: dist.Store):
+        self.shard = shard
+        self.size = len(followers) + 1
+        self._control = control
+        self._followers = followers
+        self._store = store  # rank 0 serves the rendezvous store: kept alive with the group
+        self._pending: list[tuple[str, tuple]] = []
+        self.failure: str | None = None  # why the group was lost; None while it runs
+        self._closed = False
+
+    # What the runtime reads of an executor: the shard's (its local config names its share of
+    # heads, so a stored calibration of T = 1 is never taken for this one).
+    @property
+    def vocab_size(self) -> int:
+        return self.shard.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.shard.max_seq_len
+
+    @property
+    def max_batch_tokens(self) -> int:
+        return self.shard.max_batch_tokens
+
+    @property
+    def max_seqs(self) -> int:
+        return self.shard.max_seqs
+
+    @property
+    def config(self):
+        return self.shard.config
+
+    @property
+    def model(self):
+        return self.shard.model
+
+    @property
+    def device(self) -> torch.device:
+        return self.shard.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.shard.dtype
+
+    @property
+    def follower_pids(self) -> list[int]:
+        return [f.pid for f in self._followers]
+
+    # -- the executor protocol --------------------------------------------------------------------
+
+    def add_sequence(self, seq_id: int) -> None:
+        self._check_alive()
+        self.shard.add_sequence(seq_id)
+        self._pending.append(("add_sequence", (seq_id,)))
+
+    def release(self, seq_id: int) -> None:
+        # Never refused: freeing rows is also the cleanup after a failure.
+        self.shard.release(seq_id)
+        if self.failure is None:
+            self._pending.append(("release", (seq_id,)))
+
+    def committed(self, seq_id: int) -> int:
+        return self.shard.committed(seq_id)
+
+    def commit(self, seq_id: int, n_tokens: int) -> None:
+        self._check_alive()
+        self.shard.commit(seq_id, n_tokens)
+        self._pending.append(("commit", (seq_id, n_tokens)))
+
+    def share_prefix(self, src_seq_id: int, dst_seq_id: int, n_tokens: int) -> None:
+        self._check_alive()
+        self.shard.share_prefix(src_seq_id, dst_seq_id, n_tokens)
+        self._pending.append(("share_prefix", (src_seq_id, dst_seq_id, n_tokens)))
+
+    @property
+    def prompt_splits(self):
+        return self.shard.prompt_splits  # every rank's KV rows are its shard's: the same rule as T = 1
+
+    def copy_slots(self, seq_id: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self._check_alive()
+        self.shard.copy_slots(seq_id, src, dst)
+        self._pending.append(("copy_slots", (seq_id, _host(src), _host(dst))))
+
+    def forward(self, chunks: Sequence[Chunk]) -> list[torch.Tensor]:
+        self._check_alive()
+        if not chunks:
+            return []
+        committed = tuple(self.shard.committed(c.seq_id) for c in chunks)  # unknown ids: refused here
+        message = Mirror(tuple(self._pending), tuple(_chunk_on_host(c) for c in chunks), committed)
+        self._pending = []
+        try:
+            send(message, self._control)
+            return self.shard.forward(chunks)
+        except REQUEST_ERRORS:
+            raise  # every rank refused the same forward before any collective: the group goes on
+        except Exception as err:  # noqa: BLE001 - a collective failed: a rank is gone or hung
+            raise self._lost(f"{type(err).__name__}: {err}") from err
+
+    # -- failures and the end ---------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise TensorParallelLost("the tensor-parallel target is closed")
+        if self.failure is not None:
+            raise TensorParallelLost(self.failure)
+        gone = [f for f in self._followers if not f.process.running()]
+        if gone:
+            raise self._lost(None)
+
+    def _lost(self, error: str | None) -> TensorParallelLost:
+        """Mark the group lost, end every follower, and return the error to raise."""
+        if self.failure is None:
+            if error is not None:  # a follower's socket closes just before its exit shows: wait for it
+                deadline = time.monotonic() + EXIT_NOTICE_S
+                while all(f.process.running() for f in self._followers) and time.monotonic() < deadline:
+                    time.sleep(POLL_S)
+            gone = [f.describe() for f in self._followers if not f.process.running()]
+            cause = "; ".join(gone) if gone else f"a collective failed ({error})"
+            self.failure = (f"tensor-parallel target lost: {cause}; the requests in flight cannot finish "
+                            f"(tensor_parallel_size={self.size}); close this LLM and start a new one")
+            log.error("%s", self.failure)
+            self._end_followers(grace_s=0.0)
+            leave_group()
+        return TensorParallelLost(self.failure)
+
+    def _end_followers(self, grace_s: float) -> None:
+        for f in self._followers:
+            left = f.process.end(grace_s)
+            if left.killed:
+                log.info("killed %s", f.describe())
+
+    def close(self) -> None:
+        """Shut the followers down (killing any that do not exit) and leave the group (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.failure is None:
+            try:
+                send(Mirror(shutdown=True), self._control)
+            except Exception as err:  # noqa: BLE001 - ending them anyway
+                log.warning("could not tell the target's followers to shut down (%s): killing them", err)
+            for f in self._followers:
+                f.process.wait(EXIT_GRACE_S)
+            self._end_followers(grace_s=0.0)
+            leave_group()
+        self._store = None
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(t).detach().to("cpu", torch.long)
+
+
+def _chunk_on_host(c: Chunk) -> Chunk:
+    """Tensors of a chunk on the host, so any rank can unpickle them."""
+    moved = {f.name: getattr(c, f.name).cpu() for f in dataclasses.fields(c)
+             if isinstance(getattr(c, f.name), torch.Tensor) and getattr(c, f.name).device.type != "cpu"}
+    return dataclasses.replace(c, **moved) if moved else c
+
+
+# --- starting the target group --------------------------------------------------------------------
+
+
+def shard_weights(ref: ModelRef, size: int) -> tuple[str, str, bool]:
+    """(weights path, dtype, plain_weights) of a target to split ``size`` ways; a clear error for
+    a target the torch backend does not run in its own precision (only it is split)."""
+    def refuse(backend: str) -> ValueError:
+        return ValueError(f"tensor_parallel_size must be 1 for a target on the {backend!r} backend (only the "
+                          f"'torch' backend's fp32 or bf16 target is split across ranks); got {size} for {ref.path}")
+
+    if is_engine_dir(ref.path):
+        entry = load_manifest(Path(ref.path))[ref.side]
+        if entry["backend"] != "torch":
+            raise refuse(entry["backend"])
+        return str(Path(ref.path) / entry["path"]), entry.get("dtype", "float32"), entry.get("plain_weights", True)
+    if ref.backend != "torch":
+        raise refuse(ref.backend)
+    return ref.path, ref.dtype, True
+
+
+def start_tensor_parallel_target(ref: ModelRef, runtime: RuntimeConfig, *, max_seqs: int, max_seq_len: int,
+                                 max_batch_tokens: int | None) -> TensorParallelExecutor:
+    """Start followers 1..T-1 (T = ``runtime.tensor_parallel_size``), load rank 0's shard here,
+    and return rank 0's executor once every rank has loaded its own. Refuses, before starting
+    anything, a backend other than torch and a size that does not divide the model's heads."""
+    size = runtime.tensor_parallel_size
+    weights, dtype, plain_weights = shard_weights(ref, size)
+    check_tensor_parallel(load_config(weights), size)
+    device = str(resolve_device(runtime.target_device, "target_device"))
+    _check_devices(device, size)
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed process group already exists in this process: one "
+                           "tensor-parallel target per process (tensor_parallel_size > 1)")
+    setup = ShardSetup(weights, dtype, device, runtime.target_cores, runtime.target_threads,
+                       {"max_seqs": max_seqs, "max_seq_len": max_seq_len, "max_batch_tokens": max_batch_tokens,
+                        "plain_weights": plain_weights})
+    store = dist.TCPStore(STORE_HOST, 0, size, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=START_TIMEOUT_S))
+    followers: list[Follower] = []
+    try:
+        followers = [Follower(r, _start_follower(r, size, store.port, device)) for r in range(1, size)]
+        _wait_until_joined(store, followers)
+        control = join_group(store, 0, size, device)
+        send(setup, control)
+        t0 = time.perf_counter()
+        shard, error = None, None
+        try:
+            shard = load_shard(setup, 0, size)
+        except Exception as err:  # noqa: BLE001 - reported below, after the followers answered
+            error = f"{type(err).__name__}: {err}"
+        answers = gather_ready(RankReady(0, os.getpid(), error, time.perf_counter() - t0), control)
+        failed = [a for a in answers if a.error is not None]
+        if failed:
+            raise RuntimeError("tensor-parallel target did not start: " +
+                               "; ".join(f"rank {a.rank}: {a.error}" for a in failed))
+        log.info("tensor-parallel target: %d ranks ready (pids %s; loaded in %s s)", size,
+                 [a.pid for a in answers], [round(a.load_time_s, 1) for a in answers])
+        return TensorParallelExecutor(shard, control, followers, store)
+    except BaseException:
+        for f in followers:
+            f.process.end()
+        leave_group()
+        raise
+
+
+def _check_devices(device: str, size: int) -> None:
+    dev = torch.device(device)
+    if dev.type == "cuda" and (dev.index or 0) + size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={size} from target_device {device!r} needs CUDA devices "
+                         f"{dev.index or 0}..{(dev.index or 0) + size - 1}; this machine has "
+                         f"{torch.cuda.device_count()}")
+
+
+def _start_follower(rank: int, size: int, port: int, device: str) -> ProcessTree:
+    level = logging.getLevelName(logging.getLogger("trtssd").getEffectiveLevel())
+    command = [sys.executable, "-m", "trtssd.runtime.tensor_parallel_rank", "--rank", str(rank), "--size", str(size),
+               "--store-port", str(port), "--leader-pid", str(os.getpid()), "--device", device,
+               "--log-level", str(level)]
+    return ProcessTree(command, env=dict(os.environ))
+
+
+def _wait_until_joined(store: dist.TCPStore, followers: list[Follower]) -> None:
+    """Until every follower is up (its key is in the store): fail at once, naming it, when one
+    exits first, and after START_TIMEOUT_S when one never comes (the group's rendezvous itself
+    would wait without noticing either)."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    waiting = list(followers)
+    while waiting:
+        waiting = [f for f in waiting if not store.check([JOINED_KEY.format(rank=f.rank)])]
+        dead = [f for f in waiting if not f.process.running()]
+        if dead:
+            raise RuntimeError("tensor-parallel target did not start: " + "; ".join(f.describe() for f in dead))
+        if waiting and time.monotonic() > deadline:
+            raise RuntimeError(f"tensor-parallel target did not start: ranks {[f.rank for f in waiting]} did not "
+                               f"join within {START_TIMEOUT_S:.0f} s")
+        if waiting:
+            time.sleep(POLL_S)

@@ -73,6 +73,7 @@ class Sequence:
     emit_times: list[float] = field(default_factory=list)  # when each emission of tokens happened
     finish_time: float | None = None
     on_draft: bool = False  # the draft rank knows this sequence
+    draft_prefilled: int = 0  # prompt tokens sent to the draft's prefill (all of them: it can speculate)
     spec_streak: int = 0  # speculative rounds in a row (since admission or the last plain round)
 
 
@@ -209,6 +210,7 @@ class TargetLoop:
                         if spec.k_per_round and self.draft is not None else None)
         self.lending = lending  # plain rounds (and prefill without a live draft) borrow the draft's cores
         self._draft_busy_until = 0.0  # when the draft ends the pre-speculation it began after its last reply
+        self._prefill_token_s = 0.0  # the target's last prefill, seconds per token (what the draft's costs at most)
         self._last_prespec_s = 0.0
 
     def _speculation_ceiling(self):
@@ -299,10 +301,13 @@ class TargetLoop:
                 return outputs
         if self.running:
             if self.speculating and self._speculate_now():
-                try:
-                    self._speculative_round(outputs)
-                except PeerLost:
-                    self._ar_round(outputs)  # the draft is gone: this round in ar, nothing lost
+                if self._draft_catches_up():
+                    self._ar_round(outputs)  # while the draft prefills rows it has not seen
+                else:
+                    try:
+                        self._speculative_round(outputs)
+                    except PeerLost:
+                        self._ar_round(outputs)  # the draft is gone: this round in ar, nothing lost
             else:
                 self._ar_round(outputs)
         self._retire()
@@ -338,8 +343,9 @@ class TargetLoop:
         t0 = time.perf_counter()
         # Per piece, its logits: the last row only, or every row for prompt logprobs.
         rows = [r for group in self._prefill_groups(pieces) for r in self.target.forward(group)]
+        now = time.perf_counter()
+        self._prefill_token_s = (now - t0) / sum(end - s.prefilled for s, end in pieces)
         if any(sends):  # the draft prefills the same pieces, then pre-speculates first rounds
-            now = time.perf_counter()
             self._draft_busy_until = max(self._draft_busy_until, now + max(now - t0, self._last_prespec_s))
         done = []
         for (seq, end), r in zip(pieces, rows):
@@ -414,8 +420,30 @@ class TargetLoop:
         then)."""
         return not (self.spec.plain_under_load and self.chooser.expects_plain(batch))
 
-    def _prefill_on_draft(self, seq: Sequence, upto: int | None = None) -> None:
+    def _prefill_on_draft(self, seq: Sequence, upto: int) -> None:
         seq.on_draft = self.draft.send(P.Prefill(seq.seq_id, tuple(seq.prompt), seq.params, upto))
+        seq.draft_prefilled = upto
+
+    def _draft_catches_up(self) -> bool:
+        """Before speculating, the draft must hold every running row: rows admitted under plain
+        rounds (load control) get their prompts' next pieces sent now, within the step's prefill
+        budget (a whole prompt at once would hold the round for all of it on the draft). True
+        while some row is still behind: this round is then decoded plainly. A seeded sampled row
+        is never left behind: its seed promises the output of speculative rounds."""
+        behind = [s for s in self.running if s.draft_prefilled < len(s.prompt)]
+        seeded = any(s.params.seed is not None and not s.params.is_greedy for s in self.running)
+        left = float("inf") if seeded or not self.prefill_chunk else self.prefill_chunk
+        sent = 0
+        for seq in behind:
+            if left <= 0:
+                break
+            end = int(min(len(seq.prompt), seq.draft_prefilled + left))
+            left -= end - seq.draft_prefilled
+            sent += end - seq.draft_prefilled
+            self._prefill_on_draft(seq, end)
+        if sent:  # the draft's cores are busy with it: plain rounds meanwhile are not lent them
+            self._draft_busy_until = max(self._draft_busy_until, time.perf_counter() + sent * self._prefill_token_s)
+        return any(s.draft_prefilled < len(s.prompt) for s in behind)
 
     def _prefill_groups(self, pieces: list[tuple[Sequence, int]]) -> list[list]:
         """Prompt pieces grouped so no forward exceeds the executor's token budget."""
@@ -472,9 +500,6 @@ class TargetLoop:
             self.chooser.observe(False, len(seqs), len(seqs), time.perf_counter() - t0, steady=steady)
 
     def _speculative_round(self, outputs: list[StepOutput]) -> None:
-        for seq in self.running:
-            if not seq.on_draft:  # admitted under plain rounds: the draft prefills it now
-                self._prefill_on_draft(seq)
         seqs = [s for s in self.running if s.on_draft]
         if len(seqs) != len(self.running):
             raise PeerLost("some sequences are unknown to the draft")

@@ -27,3 +27,4 @@ for rep in 1 2; do
   run "cache-off-$rep" --prefix-cache-seqs 0
   run "cache-on-$rep"
 done
+.venv/bin/python docs/bench/multi-turn-prefix-cache/table.py

@@ -5,8 +5,9 @@
   first token by turn shows what prefix caching saves: from the second turn on, everything but the
   last answer and the new question was in an earlier prompt.
 - ``arrivals``: streams of short prompts at a fixed concurrency while long prompts arrive now and
-  then. The short streams' inter-token latency shows what a long prefill costs everyone else, and
-  what chunked prefill saves.
+  then. The short streams' inter-token latency (the gaps between streamed deltas) shows what a
+  long prefill costs everyone else, and what chunked prefill saves. A speculative round's delta
+  holds several tokens, so compare latencies within one mode; tokens/s counts tokens (usage).
 
 `trtssd bench prefill --scenario turns|arrivals --base-url URL --out DIR` writes result.json and
 result.md. Requests stream (chat completions), greedy, ignore_eos.
@@ -44,6 +45,7 @@ def filler_text(words: int, seed: int) -> str:
 class Timing:
     kind: str  # "turn N", "short" or "long"
     ttft_s: float | None = None
+    tokens: int = 0  # completion tokens (the usage chunk): a speculative round's delta holds several
     token_gaps_s: list[float] = field(default_factory=list)
     text: str = ""
     error: str | None = None
@@ -52,7 +54,7 @@ class Timing:
 async def chat_stream(client: httpx.AsyncClient, model: str, messages: list[dict], max_tokens: int,
                       kind: str) -> Timing:
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
     timing = Timing(kind)
     start = last = time.perf_counter()
     decoder = SSEDecoder()
@@ -64,7 +66,12 @@ async def chat_stream(client: httpx.AsyncClient, model: str, messages: list[dict
             for data in decoder.feed(chunk):
                 if data == "[DONE]":
                     continue
-                delta = json.loads(data)["choices"][0]["delta"].get("content") or ""
+                event = json.loads(data)
+                if event.get("usage"):
+                    timing.tokens = event["usage"]["completion_tokens"]
+                if not event.get("choices"):
+                    continue
+                delta = event["choices"][0]["delta"].get("content") or ""
                 if not delta:
                     continue
                 now = time.perf_counter()
@@ -132,21 +139,19 @@ def summarize(timings: list[Timing]) -> dict:
             "ttft_by_kind": {k: _stats([t.ttft_s for t in timings if t.kind == k and t.ttft_s is not None])
                              for k in kinds},
             "itl_by_kind": {k: _stats([g for t in timings if t.kind == k for g in t.token_gaps_s]) for k in kinds},
-            # streamed text deltas (about one per token) by kind
-            "deltas_by_kind": {k: sum(len(t.token_gaps_s) + (t.ttft_s is not None) for t in timings if t.kind == k)
-                               for k in kinds}}
+            "tokens_by_kind": {k: sum(t.tokens for t in timings if t.kind == k) for k in kinds}}
 
 
 def render(result: dict) -> str:
     lines = [f"# {result['label']}: {result['scenario']}", "", f"`{result['command']}`", "",
              f"load average at start / end: {result['loadavg_start']} / {result['loadavg_end']}; "
              f"{result['wall_s']:.0f} s", "",
-             "| requests | n | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | deltas/s |",
+             "| requests | n | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | tokens/s |",
              "|---|---|---|---|---|---|---|"]
     summary = result["summary"]
     for kind, ttft in summary["ttft_by_kind"].items():
         itl = summary["itl_by_kind"][kind]
-        rate = summary["deltas_by_kind"][kind] / result["wall_s"]
+        rate = summary["tokens_by_kind"][kind] / result["wall_s"]
         lines.append(f"| {kind} | {ttft['n']} | {ttft.get('p50_ms')} | {ttft.get('p99_ms')} | "
                      f"{itl.get('p50_ms')} | {itl.get('p99_ms')} | {rate:.1f} |")
     if summary["errors"]:

@@ -57,7 +57,7 @@ def test_cost_curve_parse_error_names_the_flag():
 
 def test_component_times_map_onto_pass_sizes():
     t = Timings(CostCurve(((1, 1.0), (100, 100.0))), CostCurve(((1, 0.1), (100, 10.0))))
-    assert t.target_step(3) == pytest.approx(3.0)
+    assert t.target(3) == pytest.approx(3.0)
     assert t.verify(4, 3) == pytest.approx(15.0)  # 3 sequences x (K+1) tokens
     assert t.glue(4, 2) == pytest.approx(1.0)
     assert t.tree_step(6, 2) == pytest.approx(1.2)  # the tree curve defaults to the draft's
@@ -128,7 +128,7 @@ def test_limits_ssd_over_sd_bound_and_e_per_verify():
         w = Workload(rng.random(), hit_rate=rng.random())
         k, budget = rng.randint(1, 8), rng.randint(1, 24)
         sd = predict_sd(t, w, k, b)
-        t_sd = k * t.draft_step(b) / t.verify(k, b)
+        t_sd = k * t.draft(b) / t.verify(k, b)
         for backup in ("neural", "fast"):
             ssd = predict_ssd(t, w, k, budget, b, backup)
             assert ssd.tokens_per_s / sd.tokens_per_s <= 1 + t_sd + 1e-12

@@ -18,20 +18,25 @@ from trtssd import LLM
 from trtssd.backends.base import chain_chunk
 from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.cli import main
-from trtssd.config import ModelRef, RuntimeConfig, Source
+from trtssd.config import ModelRef, RuntimeConfig, Source, SpeculativeConfig
 from trtssd.models.catalog import NAMED_ENGINES
 from trtssd.runtime import protocol as P
-from trtssd.runtime.launch import start_draft
+from trtssd.runtime.launch import start_draft, start_target
+from trtssd.runtime.tensor_parallel import TensorParallelExecutor
 from trtssd.sampling import SamplingParams
 from trtssd.trtllm.availability import TensorRTLLMMissing, import_tensorrt_llm, tensorrt_llm_available
 from trtssd.trtllm.build_commands import (
-    EngineLimits, build_command, build_trtllm, convert_command, plan_for, render_script,
+    EngineLimits, Heads, allowed_tp_sizes, build_command, build_trtllm, check_tp_size, convert_command, plan_for,
+    render_script, write_script,
 )
 from trtssd.trtllm import drafter as drafter_module
 from trtssd.trtllm.drafter import SSDDraftSource, first_outcome, make_drafter, open_draft_source, outcome_since, Drafted
 from trtssd.trtllm.executor_target import (
-    LOG_ZERO, TrtllmTargetExecutor, build_verify_request, derive_outcome, draft_logits, sampling_config_fields,
+    LOG_ZERO, CommunicationMode, EngineParallelism, MpiWorld, TrtllmTargetExecutor, build_verify_request,
+    check_runnable, choose_parallel_plan, derive_outcome, draft_logits, engine_parallelism, plan_for_engine,
+    read_engine_parallelism, sampling_config_fields,
 )
+from trtssd.trtllm.executor_target import main as executor_target_main
 from trtssd.trtllm.verifier import TrtllmVerifier
 
 ENGINES = Path(__file__).resolve().parent.parent / "engines"
@@ -509,3 +514,157 @@ def test_make_drafter_without_tensorrt_llm_starts_nothing(tiny, monkeypatch):
     monkeypatch.setattr(drafter_module, "start_draft", lambda *a: pytest.fail("a draft rank was started"))
     with pytest.raises(TensorRTLLMMissing, match="The SSD drafter needs"):
         make_drafter(draft=ModelRef(str(tiny[1])), vocab_size=64, mode="sd")
+
+
+# -- tensor parallelism: the T-way target engine and the executor's parallel mode ------------------
+
+
+def _built_manifest(tmp_path: Path, name: str, heads: int, kv_heads: int) -> None:
+    """A built engine's manifest with the target's heads (what `trtssd build` records)."""
+    (tmp_path / name).mkdir()
+    manifest = {"architecture": {"arch": "llama", "num_heads": heads, "num_kv_heads": kv_heads},
+                "target": {"format": "gguf"}, "draft": {"backend": "torch-int4"}}
+    (tmp_path / name / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_build_script_for_tp_size_2_splits_the_target_only(tmp_path):
+    plan = plan_for("qwen2.5-coder-1.5b", tmp_path, tp_size=2)
+    convert = convert_command(plan.target, plan.limits)
+    build = build_command(plan.target, plan.limits, plan.k)
+    assert convert[convert.index("--tp_size") + 1] == "2"
+    assert build[build.index("--workers") + 1] == "2"  # the two ranks built at once, one GPU each
+    assert "--tp_size" not in convert_command(plan.draft, plan.limits)  # the draft stays one rank
+    assert "--workers" not in build_command(plan.draft, plan.limits, plan.k)
+    text = render_script(plan)
+    assert text.count("--tp_size 2") == 1 and text.count("--workers 2") == 1
+    assert "rank0.engine..rank1.engine" in text
+    script = write_script(plan)
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    manifest = json.loads(plan.manifest.read_text())
+    assert manifest["target"] == {"engine_dir": str(plan.target.engine_dir), "tp_size": 2}
+    assert manifest["draft"]["tp_size"] == 1 and manifest["max_draft_len"] == plan.k
+    # tp_size 1 leaves the commands as they always were.
+    single = plan_for("qwen2.5-coder-1.5b", tmp_path)
+    assert "--tp_size" not in render_script(single) and "--workers" not in render_script(single)
+
+
+def test_tp_size_must_divide_the_heads_and_names_the_allowed_values(tmp_path):
+    _built_manifest(tmp_path, "smol", heads=9, kv_heads=3)
+    assert plan_for("smol", tmp_path, tp_size=3).tp_size == 3
+    with pytest.raises(ValueError, match=r"tp_size=2 does not divide .*num_attention_heads=9, "
+                                         r"num_key_value_heads=3\); allowed values: 1, 3$"):
+        plan_for("smol", tmp_path, tp_size=2)
+    for bad in (0, -2, 1.5, "2", True):
+        with pytest.raises(ValueError, match=r"tp_size .* must be an int >= 1; got"):
+            plan_for("smol", tmp_path, tp_size=bad)
+    assert allowed_tp_sizes(Heads(12, 2)) == [1, 2]  # Qwen2.5-1.5B
+    assert allowed_tp_sizes(Heads(32, 8)) == [1, 2, 4, 8]
+    assert check_tp_size(4, None) == 4  # heads unknown (a named engine not built yet): positive is enough
+
+
+@needs_no_trtllm
+def test_cli_build_tp_size(tmp_path, capsys):
+    assert main(["build", "qwen2.5-coder-1.5b", "--backend", "trtllm", "--tp-size", "2", "--out", str(tmp_path)]) == 0
+    script = Path(capsys.readouterr().out.strip())
+    assert "--tp_size 2" in script.read_text()
+    assert json.loads((script.parent / "trtllm.json").read_text())["target"]["tp_size"] == 2
+    with pytest.raises(SystemExit) as exit_info:  # the torch target is split at run time, not here
+        main(["build", "--tp-size", "2", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "--tp-size is for --backend trtllm" in capsys.readouterr().err
+
+
+def _engine_config(tmp_path: Path, tp: int, pp: int = 1) -> Path:
+    """An engine directory as trtllm-build leaves it, as far as parallelism goes."""
+    engine = tmp_path / f"engine-tp{tp}-pp{pp}"
+    engine.mkdir()
+    mapping = {"world_size": tp * pp, "tp_size": tp, "pp_size": pp}
+    (engine / "config.json").write_text(json.dumps({"version": "1.2.1", "pretrained_config": {"mapping": mapping},
+                                                    "build_config": {}}))
+    return engine
+
+
+def test_engine_parallelism_from_its_config(tmp_path):
+    assert read_engine_parallelism(_engine_config(tmp_path, 2)) == EngineParallelism(2, 1, 1)
+    assert read_engine_parallelism(_engine_config(tmp_path, 2, pp=2)).world_size == 4
+    assert engine_parallelism({"pretrained_config": {"mapping": {"tp_size": 4}}}) == EngineParallelism(4)
+    with pytest.raises(ValueError, match="pretrained_config.mapping.tp_size"):
+        engine_parallelism({"pretrained_config": {"mapping": {"world_size": 2}}})
+    with pytest.raises(ValueError, match=r"ints >= 1; got \{'tp_size': 0\}"):
+        engine_parallelism({"pretrained_config": {"mapping": {"tp_size": 0}}})
+    with pytest.raises(ValueError, match="has no config.json: it is not a trtllm-build output"):
+        read_engine_parallelism(tmp_path)
+
+
+def test_one_process_runs_a_multi_rank_engine_as_orchestrator():
+    single = choose_parallel_plan(EngineParallelism(1), MpiWorld(1, 0))
+    assert (single.mode, single.device_ids, single.participant_ids, single.enqueues) == (
+        CommunicationMode.LEADER, None, None, True)  # as a one-GPU engine always ran
+    plan = choose_parallel_plan(EngineParallelism(4), MpiWorld(1, 0))
+    assert (plan.mode, plan.world_size, plan.device_ids, plan.participant_ids) == (
+        CommunicationMode.ORCHESTRATOR, 4, (0, 1, 2, 3), None)
+    assert plan.enqueues and not plan.is_follower and plan.draft_rank is None
+    given = choose_parallel_plan(EngineParallelism(2), MpiWorld(1, 0), device_ids=[6, 7])
+    assert given.device_ids == (6, 7)
+    assert choose_parallel_plan(EngineParallelism(2, pp_size=2), MpiWorld()).device_ids == (0, 1, 2, 3)
+    for bad in ([0], [1, 1], [0, -1]):
+        with pytest.raises(ValueError, match=r"device_ids must be 2 distinct CUDA device indices"):
+            choose_parallel_plan(EngineParallelism(2), MpiWorld(), device_ids=bad)
+
+
+def test_an_mpi_world_of_the_engines_size_runs_it_in_leader_mode():
+    leader = choose_parallel_plan(EngineParallelism(2), MpiWorld(2, 0))
+    assert (leader.mode, leader.participant_ids, leader.device_ids, leader.draft_rank) == (
+        CommunicationMode.LEADER, (0, 1), (0, 1), None)
+    assert leader.enqueues and not leader.is_follower
+    follower = choose_parallel_plan(EngineParallelism(2), MpiWorld(2, 1), device_ids=(2, 3))
+    assert not follower.enqueues and follower.is_follower and follower.device_ids == (2, 3)
+    with pytest.raises(ValueError, match=r"engine of 2 rank\(s\) cannot run in an MPI world of 5"):
+        choose_parallel_plan(EngineParallelism(2), MpiWorld(5, 0))
+
+
+def test_leader_mode_with_the_draft_as_last_rank_is_refused_with_the_reason():
+    plan = choose_parallel_plan(EngineParallelism(2), MpiWorld(3, 0))
+    assert (plan.participant_ids, plan.draft_rank, plan.enqueues) == ((0, 1), 2, True)
+    with pytest.raises(ValueError, match=r"draft as MPI rank 2 .* importing tensorrt_llm splits MPI_COMM_WORLD"):
+        check_runnable(plan)
+    with pytest.raises(ValueError, match="MPI rank 2 is outside the engine's ranks 0..1"):
+        choose_parallel_plan(EngineParallelism(2), MpiWorld(3, 2))
+    # trtssd's launch "world" at T = 1 (mpiexec -n 2): the same refusal, before tensorrt_llm is imported.
+    with pytest.raises(ValueError, match="draft as MPI rank 1"):
+        check_runnable(choose_parallel_plan(EngineParallelism(1), MpiWorld(2, 0)))
+
+
+def test_plan_for_engine_checks_the_tensor_parallel_size(tmp_path):
+    engine = _engine_config(tmp_path, 2)
+    plan = plan_for_engine(engine, tensor_parallel_size=2, world=MpiWorld(1, 0))
+    assert plan.mode is CommunicationMode.ORCHESTRATOR and plan.device_ids == (0, 1)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 but the TensorRT-LLM engine in .* has "
+                                         r"tp_size=2 .*--tp-size 4"):
+        plan_for_engine(engine, tensor_parallel_size=4, world=MpiWorld(1, 0))
+
+
+def _trtllm_runtime(engine: Path, size: int) -> RuntimeConfig:
+    return RuntimeConfig(target_backend="trtllm", trtllm_engine_dir=str(engine), tensor_parallel_size=size,
+                         max_seq_len=64, max_batch=2)
+
+
+def test_start_target_routes_a_trtllm_target_of_tensor_parallel_size_2(tiny, tmp_path):
+    engine = _engine_config(tmp_path, 2)
+    executor = start_target(ModelRef(str(tiny[0])), SpeculativeConfig(), _trtllm_runtime(engine, 2), "local")
+    # Prefill's torch target loads whole here; TensorRT-LLM runs the engine's two ranks itself.
+    assert isinstance(executor, TorchExecutor) and not isinstance(executor, TensorParallelExecutor)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 but the TensorRT-LLM engine in .* has tp_size=2"):
+        start_target(ModelRef(str(tiny[0])), SpeculativeConfig(), _trtllm_runtime(engine, 4), "local")
+    with pytest.raises(ValueError, match="launch 'world' cannot run a TensorRT-LLM engine"):
+        start_target(ModelRef(str(tiny[0])), SpeculativeConfig(), _trtllm_runtime(engine, 2), "world")
+    with pytest.raises(ValueError, match="trtllm_engine_dir: no tp_size readable from"):
+        start_target(ModelRef(str(tiny[0])), SpeculativeConfig(), _trtllm_runtime(tmp_path, 2), "local")
+
+
+@needs_no_trtllm
+def test_follower_entry_point_says_what_is_missing(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        executor_target_main([str(_engine_config(tmp_path, 2))])
+    assert exit_info.value.code == 2
+    assert "A TensorRT-LLM engine rank needs the Python package `tensorrt_llm`" in capsys.readouterr().err

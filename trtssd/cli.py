@@ -150,12 +150,16 @@ def _build(args: argparse.Namespace) -> int:
 
     if args.target is not None and args.engine is not None:
         raise ValueError("give a named engine or --target, not both")
+    if args.tp_size is not None and args.backend != "trtllm":
+        raise ValueError("--tp-size is for --backend trtllm (a TensorRT-LLM engine is split when it is built); the "
+                         "torch target is split when it runs, by --tensor-parallel-size")
     if args.backend == "trtllm":
         from trtssd.trtllm.build_commands import build_trtllm
 
         if args.target is not None:
             raise ValueError("--backend trtllm builds a named or already built engine, not --target")
-        result = build_trtllm(args.engine or DEFAULT_ENGINE, args.out, k=args.k)
+        result = build_trtllm(args.engine or DEFAULT_ENGINE, args.out, k=args.k,
+                              tp_size=1 if args.tp_size is None else args.tp_size)
         sys.stdout.write(f"{result.script}\n")
         return 0
     try:
@@ -225,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(commands written to build.sh there, run when tensorrt_llm is importable; unverified)")
     b.add_argument("--k", type=int, default=None, help="with --backend trtllm: the target's --max_draft_len "
                    "(default: the lookahead, 5)")
+    b.add_argument("--tp-size", type=int, default=None, help="with --backend trtllm: the target engine's "
+                   "tensor-parallel ranks T (rank0.engine..rank<T-1>.engine; run it with --tensor-parallel-size T); "
+                   "must divide the target's attention and KV heads; default 1")
     b.set_defaults(func=_build)
     return parser
 
@@ -239,16 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.command in ("generate", "serve") and args.launch == "world":
-        from trtssd.runtime.transport import require_mpi
-
-        world = require_mpi("launch='world'").COMM_WORLD
-        if world.Get_size() > 1 and world.Get_rank() == world.Get_size() - 1:
-            from trtssd.runtime.draft_rank import serve
-
-            serve(world, target_rank=0)
-            return 0
     try:
+        if args.command in ("generate", "serve") and args.launch == "world":
+            from trtssd.runtime.world import serve_world_rank
+
+            if serve_world_rank(args.tensor_parallel_size):
+                return 0  # this rank was a target follower or the draft, until rank 0 was done
         return args.func(args)
     except (ValueError, TypeError) as err:
         parser.error(str(err))

@@ -18,6 +18,7 @@ from trtssd.models.engine_dir import MANIFEST, engine_speculation
 from trtssd.models.tokenizer import chat_prompt_ids, encode_text, load_tokenizer
 from trtssd.runtime.affinity import core_lending, cores_besides, pin, pin_thread, restore, split_cores
 from trtssd.runtime.launch import LAUNCHES, close_target, start_draft, start_target
+from trtssd.runtime.world import end_world_job
 from trtssd.runtime.metrics import SpeculationMetrics
 from trtssd.runtime.output_processor import OutputText, Prompt, RequestOutput, request_output
 from trtssd.runtime.target_loop import TargetLoop, Verifier
@@ -58,6 +59,15 @@ class LLM:
             raise TypeError(f"unknown LLM option(s) {sorted(options)}; allowed: {allowed}")
         if launch not in LAUNCHES:
             raise ValueError(f"launch must be one of {LAUNCHES}; got {launch!r}")
+        try:
+            self._init(engine, target, draft, launch, spec_opts, run_opts)
+        except BaseException as err:
+            if launch == "world":
+                end_world_job(err)  # the job's other ranks wait for this one: end them with it
+            raise
+
+    def _init(self, engine: str | None, target: ModelRef | None, draft: ModelRef | None, launch: str,
+              spec_opts: dict, run_opts: dict) -> None:
         self.spec = speculative_config(spec_opts)  # fails fast, before any engine is built
         runtime = RuntimeConfig(**run_opts)
         if runtime.target_cores is None and runtime.draft_cores is None:

@@ -35,7 +35,7 @@ import torch
 from trtssd.config import ModelRef, RuntimeConfig, SpeculativeConfig, Transport
 from trtssd.runtime import protocol as P
 from trtssd.runtime.cuda_ipc import CudaIpcBuffers
-from trtssd.runtime.processes import SHM_DIR, ProcessTree, exit_with, mapped_segments, remove_files
+from trtssd.runtime.processes import SHM_DIR, ProcessTree, exit_with, mapped_segments, remove_files, start_time
 from trtssd.runtime.transport import Channel, PeerLost, RoundBuffers, SharedBuffers, require_mpi
 
 if TYPE_CHECKING:
@@ -119,6 +119,7 @@ class DraftLink:
         self.alive = True
         self.failure: str | None = None
         self.pid: int | None = None
+        self._started: float | None = None  # the draft process's start time (a world rank's liveness)
         self.step_s: dict[int, float] | None = None
         self._inter: MPI.Intercomm | None = None
         self._closed = False
@@ -191,13 +192,17 @@ class DraftLink:
         if cuda_ipc:
             self.buffers = CudaIpcBuffers.attach(layout, ready.buffers)  # mapped once, for the link's life
         self.pid = ready.pid
+        self._started = start_time(ready.pid)
         self.step_s = ready.step_s
         log.info("draft rank ready, pid %d (model loaded in %.1f s)", ready.pid, ready.load_time_s)
 
     # --- messages ----------------------------------------------------------------------------
 
     def _process_alive(self) -> bool:
-        return self.job is None or self.job.running()
+        if self.job is not None:
+            return self.job.running()
+        # A rank of our own job (launch "world", one host): its pid, unless not known yet.
+        return self._started is None or start_time(self.pid) == self._started
 
     def _recv(self, timeout_s: float | None = None) -> object:
         msg = self.channel.recv(P.REPLY_TAG, timeout_s or self.timeout_s, self._process_alive)

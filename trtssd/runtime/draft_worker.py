@@ -35,9 +35,8 @@ from trtssd.config import Backup, Mode, Source, SpeculativeConfig
 from trtssd.runtime.prefix_cache import PrefixCache
 from trtssd.runtime.protocol import Outcome, Prefill, SpeculateRequest
 from trtssd.runtime.speedup_model import (BackupCosts, CostCurve, StepCostModel, Timings, Workload,
-                                          acceptance_from_length, calibration_key_fields, load_calibration,
-                                          prefer_neural, best_ssd, store_calibration, time_forwards,
-                                          time_tree_steps)
+                                          acceptance_from_length, best_ssd, calibration, calibration_key_fields,
+                                          prefer_neural, time_forwards, time_tree_steps)
 from trtssd.sampling import SamplingParams, processed_probs, sample_with_uniforms
 from trtssd.spec_decode.backup import ngram_proposal
 from trtssd.spec_decode.cache import CachedSpeculation, PreSpeculation, pre_speculation
@@ -122,16 +121,11 @@ class DraftWorker:
         scratch sequence, so the auto fan-out knows from the first round what a wider tree costs
         on this machine. Returns the chain forwards' {rows: s}.
 
-        A calibration is stored per machine and model (`speedup_model.load_calibration`) and
-        reused at the next start: timing is most of a large draft's start-up."""
+        A calibration is stored per machine and model and reused at the next start
+        (`speedup_model.calibration`): timing is most of a large draft's start-up."""
         fields = calibration_key_fields(self.executor, k=self.k, max_rows=max_rows, context=context)
-        stored = load_calibration(fields)
-        if stored is None:
-            points = time_forwards(self.executor, max_rows, context)
-            tree = time_tree_steps(self.executor, self.k, max_rows, context)
-            store_calibration(fields, points, tree)
-        else:
-            points, tree = stored["chain"], stored["tree"]
+        points, tree, stored = calibration(fields, lambda: (time_forwards(self.executor, max_rows, context),
+                                                            time_tree_steps(self.executor, self.k, max_rows, context)))
         self.forward_costs.calibrate(points)
         self.tree_costs.calibrate(tree)
         self.calibrated_step_s = dict(points)
@@ -411,7 +405,9 @@ class DraftWorker:
                 chunks.append(chain_chunk(s.seq_id, s.uncached + [s.bonus] + s.last_spec, committed))
             else:
                 chunks.append(append_chunk(s.seq_id, committed, [s.last_spec[-1]], self.k))
-        outs = self._timed_forward(chunks)
+        t0 = time.perf_counter()
+        outs = self.executor.forward(chunks)
+        self.forward_costs.observe(sum(c.tokens.numel() for c in chunks), time.perf_counter() - t0)
         glue = []
         for s, out, rows in zip(seqs, outs, adopted):
             self.executor.commit(s.seq_id, len(s.uncached))  # target-committed: now in draft KV
@@ -513,12 +509,6 @@ class DraftWorker:
             self.cache[s.seq_id] = pre_speculation(tuple(fan), lay, tuple(x[rows] for x in step_logits),
                                                    drafts.tokens[rows], probs)
             start = end
-
-    def _timed_forward(self, chunks):
-        t0 = time.perf_counter()
-        outs = self.executor.forward(chunks)
-        self.forward_costs.observe(sum(c.tokens.numel() for c in chunks), time.perf_counter() - t0)
-        return outs
 
 
 def _stack(steps: list[tuple[torch.Tensor, torch.Tensor | None]]) -> Drafts:

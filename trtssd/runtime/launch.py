@@ -2,12 +2,16 @@
 each for every caller (``LLM``, the TensorRT-LLM drafter).
 
 launch "spawn" starts the draft as its own MPI job (survives a dying draft), "world" uses the
-last rank of an ``mpiexec -n 2`` job, "local" runs it in this process (tests, debugging). A
-target of ``tensor_parallel_size`` T > 1 is rank 0 here plus T - 1 follower processes this
-process starts (trtssd/runtime/tensor_parallel.py), with launch "spawn" or "local".
+last rank of an ``mpiexec -n T+1`` job (trtssd/runtime/world.py), "local" runs it in this
+process (tests, debugging). A target of ``tensor_parallel_size`` T > 1 is rank 0 here plus T - 1
+followers (trtssd/runtime/tensor_parallel.py): processes this process starts (launch "spawn" or
+"local"), or ranks 1..T-1 of the mpiexec job (launch "world").
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 from trtssd.backends.base import Executor
 from trtssd.backends.loading import load_executor
@@ -16,7 +20,7 @@ from trtssd.runtime.draft_client import DraftClient, LocalDraft
 from trtssd.runtime.draft_link import DraftLink
 from trtssd.runtime.draft_server import load_worker
 from trtssd.runtime.tensor_parallel import TensorParallelExecutor, start_tensor_parallel_target
-from trtssd.runtime.transport import require_mpi
+from trtssd.runtime.world import world_groups
 
 LAUNCHES = ("spawn", "world", "local")
 
@@ -40,17 +44,39 @@ def start_target(target: ModelRef, spec: SpeculativeConfig, runtime: RuntimeConf
                    max_batch_tokens=batch_tokens(spec, runtime))
     if runtime.tensor_parallel_size == 1:
         return load_executor(target, device=runtime.target_device, device_field="target_device", **options)
+    if runtime.target_backend is TargetBackend.TRTLLM:
+        # TensorRT-LLM runs its engine's T ranks itself (trtssd/trtllm/executor_target.py: the
+        # executor's orchestrator or leader mode); the torch target kept for prefill and the request
+        # checks loads whole, as at T = 1.
+        engine_tp = _trtllm_engine_tp_size(runtime.trtllm_engine_dir)
+        if engine_tp != runtime.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={runtime.tensor_parallel_size} but the TensorRT-LLM engine in "
+                             f"{runtime.trtllm_engine_dir} has tp_size={engine_tp}; rebuild it with `trtssd build "
+                             f"--backend trtllm --tp-size {runtime.tensor_parallel_size}` or run with "
+                             f"tensor_parallel_size={engine_tp}")
+        if launch == "world":
+            # Its ranks 1..T-1 start torch followers and its last rank the draft, which never
+            # imports tensorrt_llm, whose import is collective over the world (check_runnable).
+            raise ValueError(f"launch 'world' cannot run a TensorRT-LLM engine of tensor_parallel_size="
+                             f"{runtime.tensor_parallel_size}: use launch 'spawn' or 'local' (TensorRT-LLM's "
+                             "orchestrator mode starts the engine's ranks; docs/tensorrt_llm.md, Tensor parallelism)")
+        return load_executor(target, device=runtime.target_device, device_field="target_device", **options)
     if runtime.target_backend is not TargetBackend.TORCH:
         raise ValueError(f"tensor_parallel_size must be 1 with target_backend {runtime.target_backend.value!r} (only "
-                         f"the torch target is split; TensorRT-LLM tensor parallelism is not built); got "
-                         f"{runtime.tensor_parallel_size}")
-    if launch == "world":
-        # Under mpiexec MPICH ends every rank when one dies, and the draft's window is made over
-        # the two ranks of an ``-n 2`` job: rank 0 starts its followers itself instead.
-        raise ValueError(f"tensor_parallel_size={runtime.tensor_parallel_size} needs launch 'spawn' or 'local' (the "
-                         "target's follower ranks are started by this process); launch 'world' allows only "
-                         "tensor_parallel_size 1")
-    return start_tensor_parallel_target(target, runtime, **options)
+                         f"the torch and trtllm targets are split); got {runtime.tensor_parallel_size}")
+    targets = world_groups(runtime.tensor_parallel_size).targets if launch == "world" else None
+    return start_tensor_parallel_target(target, runtime, targets=targets, **options)
+
+
+def _trtllm_engine_tp_size(engine_dir: str) -> int:
+    """The tp size trtllm-build recorded in its config.json; read here without trtssd.trtllm,
+    which sits above the runtime (tests/test_layering.py)."""
+    config = Path(engine_dir) / "config.json"
+    try:
+        return json.loads(config.read_text())["pretrained_config"]["mapping"]["tp_size"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"trtllm_engine_dir: no tp_size readable from {config} (pretrained_config.mapping of a "
+                         f"trtllm-build output): {err!r}") from None
 
 
 def close_target(executor: Executor) -> None:
@@ -72,8 +98,6 @@ def start_draft(launch: str, draft: ModelRef, spec: SpeculativeConfig, runtime: 
             raise ValueError(f"draft vocab_size {worker.executor.vocab_size} != target vocab_size {vocab_size}")
         return LocalDraft(worker, runtime.max_batch)
     if launch == "world":
-        world = require_mpi("launch='world'").COMM_WORLD
-        if world.Get_size() < 2:
-            raise RuntimeError("launch='world' needs mpiexec -n 2 (the last rank is the draft)")
-        return DraftLink.from_world(world, draft, spec, runtime, vocab_size, draft_len)
+        link = world_groups(runtime.tensor_parallel_size).link
+        return DraftLink.from_world(link, draft, spec, runtime, vocab_size, draft_len)
     return DraftLink.spawn(draft, spec, runtime, vocab_size, draft_len)

@@ -43,19 +43,12 @@ class SpeculationMetrics:
 
     def record_round(self, k: int, accepted: int, source: Source) -> None:
         """One verified round: ``accepted`` of its k proposals were accepted and emitted."""
-        if len(self.accepted_per_position) < k:
-            grow = k - len(self.accepted_per_position)
-            self.accepted_per_position += [0] * grow
-            self.proposed_per_position += [0] * grow
-            self.rounds_by_length += [0] * grow
-        self.rounds_by_length[k - 1] += 1
+        _add(self.rounds_by_length, [0] * (k - 1) + [1])
+        _add(self.proposed_per_position, [1] * k)
+        _add(self.accepted_per_position, [1] * accepted + [0] * (k - accepted))
         self.num_drafts += 1
         self.num_draft_tokens += k
         self.num_accepted_tokens += accepted
-        for i in range(k):
-            self.proposed_per_position[i] += 1
-            if i < accepted:
-                self.accepted_per_position[i] += 1
         if source is Source.HIT:
             self.cache_hits += 1
             self.accepted_on_hit += accepted
@@ -82,10 +75,7 @@ class SpeculationMetrics:
                 continue
             mine, value = getattr(self, f.name), getattr(other, f.name)
             if isinstance(value, list):
-                if len(mine) < len(value):
-                    mine += [0] * (len(value) - len(mine))
-                for i, v in enumerate(value):
-                    mine[i] += v
+                _add(mine, value)
             else:
                 setattr(self, f.name, mine + value)
 
@@ -112,3 +102,10 @@ class SpeculationMetrics:
         # Share of the round the target spent verifying rather than waiting for the draft.
         out["overlap_efficiency"] = round(self.verify_time_s / self.round_time_s, 4) if self.round_time_s else 0.0
         return out
+
+
+def _add(counts: list[int], more: list[int]) -> None:
+    """Add ``more`` into ``counts`` position by position, growing ``counts`` to its length."""
+    counts += [0] * (len(more) - len(counts))
+    for i, n in enumerate(more):
+        counts[i] += n

@@ -4,52 +4,38 @@ Speculation pays at small batch and can cost at large batch, where every row of 
 is compute. The choice is made from what was measured here, not from a model: tokens per second
 of speculative and of plain rounds, per batch size, as running averages. The faster one runs;
 the slower one is tried again after a while, so a change of load or of acceptance is noticed.
-Each try that confirms the choice doubles the wait before the next (up to ``max_probe_every``),
-so a clear winner costs almost nothing in probes. Every path is exact, so the choice changes
-speed, never the output distribution.
+Each try that confirms the choice doubles the wait before the next (up to ``max_probe_every``).
+Every path is exact, so the choice changes speed, never the output distribution.
 
-Three things keep the measurements honest under serving, where the batch size changes with every
-arrival and departure, and a speculative round yields anything from 1 to K+1 tokens per row:
+Under serving the batch size changes with every arrival and departure, and a speculative round
+yields anything from 1 to K+1 tokens per row. So:
 
 - A rate is the ratio of running sums (tokens over seconds), and a try lasts until
-  ``speculative_try_rows`` (or ``plain_try_rows``) rows have been measured (4 rounds of one row,
-  1 of four: a round's yield is a sum over its rows). A single round's tokens/s at batch 1 is
-  noise: taken as the verdict, one early rejection sent a batch of one to plain rounds for most
-  of a run on the Qwen pair, where speculation was 1.7x faster, and one slow plain round sent
-  the default ggml engine to speculation for the rest of a run where plain rounds were 1.6x
-  faster. Plain rounds are short, so their tries measure more rows.
-- A row's first speculative rounds (just admitted, or back from plain rounds) miss, glue what
-  the draft has not seen, and wait for pre-speculation to catch up: not the steady rate of
-  speculation. Such *unsteady* rounds are not measured, and a try of speculation lasts until its
-  steady rounds have been. Should unsteady rounds be all there is (a stream of arrivals), they
-  count after ``max_unsteady`` in a row. Plain rounds are unsteady too while the draft still
-  pre-speculates for its last reply: they cannot borrow its cores yet
-  (trtssd/runtime/affinity.py), and a try measured then would undersell plain rounds for good.
-  That spell ends by itself, so such rounds are never measured and a try of plain rounds waits.
+  ``speculative_try_rows`` (or ``plain_try_rows``) rows have been measured. A single round's
+  tokens/s at batch 1 is noise: taken as the verdict, one early rejection sent a batch of one to
+  plain rounds for most of a run on the Qwen pair, where speculation was 1.7x faster.
+- A row's first speculative rounds (just admitted, or back from plain rounds) miss, glue what the
+  draft has not seen, and wait for pre-speculation: such *unsteady* rounds are not measured,
+  unless they are all there is (``max_unsteady`` in a row). Plain rounds are unsteady while the
+  draft still pre-speculates for its last reply (they cannot borrow its cores yet,
+  trtssd/runtime/affinity.py); that spell ends by itself, so they are never measured.
 - A batch size not yet measured borrows the answer of its neighbours, because speculation's
   advantage shrinks as the batch grows: where plain rounds won at a smaller batch they win here,
-  where speculation won at a larger batch it wins here. Only a size with no such evidence is
-  tried, speculation first.
+  where speculation won at a larger batch it wins here. Only a size with no such evidence is tried.
 
 A try of the slower choice also waits until the decided choice has run ``quiet_per_try`` times as
-long as that choice's last try took: rounds of the two choices may differ tenfold in length (a
-speculative round of K = 7 against a plain one), and a try of speculation after plain rounds
-starts with the draft catching up on every token it missed (two rounds of up to a second on the
-default ggml engine, whose self-draft costs what its target costs), so neither a count of rounds
-nor the other choice's short tries may set the pace of tries: they would take most of the time.
+long as that choice's last try took: the two choices' rounds may differ tenfold in length, and a
+try of speculation after plain rounds starts with the draft catching up on every token it missed,
+so a count of rounds would let tries take most of the time. Switching costs (unsteady rounds) and
+running sums wander, so between tries the choice changes only when the other one has measured
+``switch_margin`` faster, and so does a change of batch size.
 
-Switching itself costs (those unsteady rounds), and running sums wander, so the choice of a batch
-size is decided when a try ends (the faster one wins); between tries it changes only when the
-other choice has measured ``switch_margin`` faster, and so does a change of batch size.
-
-Where the forward costs of both ranks are known (the draft's calibration, sent when it starts,
-and the target's own, timed once per machine and model), they bound what speculation can give:
-a ``ceiling``. A try of speculation is made only while plain rounds measure slower than that
-ceiling. So speculation is never tried where one core's draft costs what plain decoding on two
-does (the default ggml engine's self-draft), or where a verify on the target's one core costs
-more than the tokens it may yield take plainly on two (the Qwen pair on 2 cores): a try opening
-with seconds of catching up was most of the gap between load control and plain decoding on
-short requests. With a ceiling, a new batch size tries plain rounds first, as they are short.
+Where the forward costs of both ranks are known (the draft's calibration and the target's own),
+they bound what speculation can give: a ``ceiling``. Speculation is tried only while plain rounds
+measure slower than it, so it is never tried where one core's draft costs what plain decoding on
+two does (the default ggml engine's self-draft), or where a verify on the target's one core costs
+more than the tokens it may yield take plainly (the Qwen pair on 2 cores). With a ceiling, a new
+batch size tries plain rounds first, as they are short.
 """
 
 from __future__ import annotations

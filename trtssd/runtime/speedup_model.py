@@ -43,7 +43,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -190,15 +190,10 @@ class Timings:
         for name in ("handshake_s", "overhead_s", "fast_backup_s"):
             _positive(getattr(self, name), name, allow_zero=True)
 
-    # Component times of docs/algorithm.md section 8, for a batch of b sequences.
-    def target_step(self, b: int) -> float:
-        return self.target(b)
-
+    # Component times of docs/algorithm.md section 8, for a batch of b sequences (a 1-token step of
+    # either model is `target(b)` or `draft(b)`).
     def verify(self, k: int, b: int) -> float:
         return self.target(b * (k + 1))
-
-    def draft_step(self, b: int) -> float:
-        return self.draft(b)
 
     def glue(self, k: int, b: int, hit_rate: float = 0.0) -> float:
         """Glue decode: K+1 tokens per row, or 1 on a cache hit (the hit branch's KV and logits
@@ -410,16 +405,22 @@ def store_calibration(fields: Mapping[str, Any], chain: Mapping[int, float], tre
     return path
 
 
+def calibration(fields: Mapping[str, Any], measure: Callable[[], tuple[dict, dict]]) -> tuple[dict, dict, bool]:
+    """(chain, tree) timings stored for these fields, else ``measure()``'s, stored for the next start;
+    and whether they were stored."""
+    stored = load_calibration(fields)
+    if stored is not None:
+        return stored["chain"], stored["tree"], True
+    chain, tree = measure()
+    store_calibration(fields, chain, tree)
+    return chain, tree, False
+
+
 def calibrated_forwards(executor: Executor, max_rows: int, context: int = 128, **settings: Any) -> dict[int, float]:
     """`time_forwards`, stored per machine and model like the draft's calibration (``settings``
     join the key: e.g. which rank times them)."""
     fields = calibration_key_fields(executor, max_rows=max_rows, context=context, **settings)
-    stored = load_calibration(fields)
-    if stored is not None:
-        return stored["chain"]
-    chain = time_forwards(executor, max_rows, context)
-    store_calibration(fields, chain, {})
-    return chain
+    return calibration(fields, lambda: (time_forwards(executor, max_rows, context), {}))[0]
 
 
 def _cpu_model() -> str:
@@ -547,13 +548,13 @@ def _check_int(value: int, name: str, minimum: int = 1) -> None:
 
 def predict_ar(t: Timings, batch_size: int = 1) -> Prediction:
     _check_int(batch_size, "batch_size")
-    return Prediction("ar", batch_size, None, None, None, None, 1.0, t.overhead_s + t.target_step(batch_size), None)
+    return Prediction("ar", batch_size, None, None, None, None, 1.0, t.overhead_s + t.target(batch_size), None)
 
 
 def predict_sd(t: Timings, w: Workload, k: int, batch_size: int = 1) -> Prediction:
     _check_int(batch_size, "batch_size")
     _check_int(k, "k")
-    round_s = t.overhead_s + t.handshake_s + k * t.draft_step(batch_size) + t.verify(k, batch_size)
+    round_s = t.overhead_s + t.handshake_s + k * t.draft(batch_size) + t.verify(k, batch_size)
     return Prediction("sd", batch_size, k, None, None, None, expected_tokens(w.acceptance, k), round_s, None)
 
 
@@ -581,7 +582,7 @@ def predict_ssd(t: Timings, w: Workload, k: int, budget: int, batch_size: int = 
     round_s = t.handshake_s + max(t.overhead_s + verify, t_p)
     if backup == "neural":
         # Rows that missed are re-drafted together; the whole batch waits for them.
-        round_s += sum(_binomial(b, m, 1 - h) * k * t.draft_step(m) for m in range(1, b + 1))
+        round_s += sum(_binomial(b, m, 1 - h) * k * t.draft(m) for m in range(1, b + 1))
         tokens = e
     else:
         round_s += (1 - h**b) * t.fast_backup_s

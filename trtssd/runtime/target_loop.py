@@ -431,8 +431,7 @@ class TargetLoop:
         while some row is still behind: this round is then decoded plainly. A seeded sampled row
         is never left behind: its seed promises the output of speculative rounds."""
         behind = [s for s in self.running if s.draft_prefilled < len(s.prompt)]
-        seeded = any(s.params.seed is not None and not s.params.is_greedy for s in self.running)
-        left = float("inf") if seeded or not self.prefill_chunk else self.prefill_chunk
+        left = float("inf") if self._seeded_sampling() or not self.prefill_chunk else self.prefill_chunk
         sent = 0
         for seq in behind:
             if left <= 0:
@@ -471,10 +470,12 @@ class TargetLoop:
         """Load control (SpeculativeConfig.plain_under_load): speculate unless plain rounds have
         measured faster at this batch size. A seeded sampled row keeps the batch speculating:
         its seed promises the same output at any load."""
-        if not self.spec.plain_under_load or any(s.params.seed is not None and not s.params.is_greedy
-                                                  for s in self.running):
+        if not self.spec.plain_under_load or self._seeded_sampling():
             return True
         return self.chooser.speculate(len(self.running))
+
+    def _seeded_sampling(self) -> bool:
+        return any(s.params.seed is not None and not s.params.is_greedy for s in self.running)
 
     def _ar_round(self, outputs: list[StepOutput]) -> None:
         """One plain target step for every running row: chosen by load control while the draft

@@ -47,12 +47,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,10 @@ from trtssd.devices import resolve_device
 from trtssd.models.engine_dir import is_engine_dir, load_manifest
 from trtssd.models.loader import load_config
 from trtssd.models.tensor_parallel import check_tensor_parallel
-from trtssd.runtime.processes import ProcessTree
+from trtssd.runtime.processes import ProcessTree, start_time
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 log = logging.getLogger(__name__)
 
@@ -192,17 +196,41 @@ def load_shard(setup: ShardSetup, rank: int, size: int) -> TorchExecutor:
 
 @dataclass
 class Follower:
-    rank: int
-    process: ProcessTree
+    """A follower as rank 0 sees it: a process rank 0 started (``tree``), or a rank of the same
+    ``mpiexec`` job (launch "world"; known by pid and start time, so a reused pid is not it)."""
 
-    @property
-    def pid(self) -> int:
-        return self.process.process.pid
+    rank: int
+    pid: int
+    tree: ProcessTree | None = None
+    started: float | None = None  # world ranks: the process's start time
+
+    def running(self) -> bool:
+        if self.tree is not None:
+            return self.tree.running()
+        return self.started is not None and start_time(self.pid) == self.started
+
+    def wait(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.running() and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+
+    def end(self) -> bool:
+        """Kill it if it still runs; True when it had to be killed."""
+        if self.tree is not None:
+            return bool(self.tree.end(0.0).killed)
+        if not self.running():
+            return False
+        os.kill(self.pid, signal.SIGKILL)
+        return True
 
     def describe(self) -> str:
-        code = self.process.process.poll()
-        state = "running" if code is None else f"exited with code {code}"
+        code = self.tree.process.poll() if self.tree is not None else None
+        state = "running" if self.running() else "exited" if code is None else f"exited with code {code}"
         return f"target rank {self.rank} (pid {self.pid}) {state}"
+
+    @property
+    def in_world(self) -> bool:
+        return self.tree is None
 
 
 class TensorParallelExecutor:
@@ -315,7 +343,7 @@ class TensorParallelExecutor:
             raise TensorParallelLost("the tensor-parallel target is closed")
         if self.failure is not None:
             raise TensorParallelLost(self.failure)
-        gone = [f for f in self._followers if not f.process.running()]
+        gone = [f for f in self._followers if not f.running()]
         if gone:
             raise self._lost(None)
 
@@ -324,21 +352,20 @@ class TensorParallelExecutor:
         if self.failure is None:
             if error is not None:  # a follower's socket closes just before its exit shows: wait for it
                 deadline = time.monotonic() + EXIT_NOTICE_S
-                while all(f.process.running() for f in self._followers) and time.monotonic() < deadline:
+                while all(f.running() for f in self._followers) and time.monotonic() < deadline:
                     time.sleep(POLL_S)
-            gone = [f.describe() for f in self._followers if not f.process.running()]
+            gone = [f.describe() for f in self._followers if not f.running()]
             cause = "; ".join(gone) if gone else f"a collective failed ({error})"
             self.failure = (f"tensor-parallel target lost: {cause}; the requests in flight cannot finish "
                             f"(tensor_parallel_size={self.size}); close this LLM and start a new one")
             log.error("%s", self.failure)
-            self._end_followers(grace_s=0.0)
+            self._end_followers()
             leave_group()
         return TensorParallelLost(self.failure)
 
-    def _end_followers(self, grace_s: float) -> None:
+    def _end_followers(self) -> None:
         for f in self._followers:
-            left = f.process.end(grace_s)
-            if left.killed:
+            if f.end():
                 log.info("killed %s", f.describe())
 
     def close(self) -> None:
@@ -351,9 +378,14 @@ class TensorParallelExecutor:
                 send(Mirror(shutdown=True), self._control)
             except Exception as err:  # noqa: BLE001 - ending them anyway
                 log.warning("could not tell the target's followers to shut down (%s): killing them", err)
-            for f in self._followers:
-                f.process.wait(EXIT_GRACE_S)
-            self._end_followers(grace_s=0.0)
+            # A follower of ours exits now; a world rank goes on to MPI_Finalize, which it leaves
+            # only beside the job's other ranks, this one among them: it is not waited for.
+            started = [f for f in self._followers if not f.in_world]
+            for f in started:
+                f.wait(EXIT_GRACE_S)
+            for f in started:
+                if f.end():
+                    log.info("killed %s", f.describe())
             leave_group()
         self._store = None
 
@@ -390,10 +422,13 @@ def shard_weights(ref: ModelRef, size: int) -> tuple[str, str, bool]:
 
 
 def start_tensor_parallel_target(ref: ModelRef, runtime: RuntimeConfig, *, max_seqs: int, max_seq_len: int,
-                                 max_batch_tokens: int | None) -> TensorParallelExecutor:
-    """Start followers 1..T-1 (T = ``runtime.tensor_parallel_size``), load rank 0's shard here,
-    and return rank 0's executor once every rank has loaded its own. Refuses, before starting
-    anything, a backend other than torch and a size that does not divide the model's heads."""
+                                 max_batch_tokens: int | None, targets: MPI.Intracomm | None = None,
+                                 ) -> TensorParallelExecutor:
+    """Start followers 1..T-1 (T = ``runtime.tensor_parallel_size``), or meet them as the ranks
+    of ``targets`` (launch "world": ranks 0..T-1 of the mpiexec job, already running
+    `tensor_parallel_rank.serve_in_world`), load rank 0's shard here, and return rank 0's
+    executor once every rank has loaded its own. Refuses, before starting anything, a backend
+    other than torch and a size that does not divide the model's heads."""
     size = runtime.tensor_parallel_size
     weights, dtype, plain_weights = shard_weights(ref, size)
     check_tensor_parallel(load_config(weights), size)
@@ -409,7 +444,8 @@ def start_tensor_parallel_target(ref: ModelRef, runtime: RuntimeConfig, *, max_s
                           timeout=timedelta(seconds=START_TIMEOUT_S))
     followers: list[Follower] = []
     try:
-        followers = [Follower(r, _start_follower(r, size, store.port, device)) for r in range(1, size)]
+        followers = (_meet_world_followers(targets, store.port, device) if targets is not None else
+                     [_start_follower(r, size, store.port, device) for r in range(1, size)])
         _wait_until_joined(store, followers)
         control = join_group(store, 0, size, device)
         send(setup, control)
@@ -429,7 +465,7 @@ def start_tensor_parallel_target(ref: ModelRef, runtime: RuntimeConfig, *, max_s
         return TensorParallelExecutor(shard, control, followers, store)
     except BaseException:
         for f in followers:
-            f.process.end()
+            f.end()
         leave_group()
         raise
 
@@ -442,12 +478,30 @@ def _check_devices(device: str, size: int) -> None:
                          f"{torch.cuda.device_count()}")
 
 
-def _start_follower(rank: int, size: int, port: int, device: str) -> ProcessTree:
+def _start_follower(rank: int, size: int, port: int, device: str) -> Follower:
     level = logging.getLevelName(logging.getLogger("trtssd").getEffectiveLevel())
     command = [sys.executable, "-m", "trtssd.runtime.tensor_parallel_rank", "--rank", str(rank), "--size", str(size),
                "--store-port", str(port), "--leader-pid", str(os.getpid()), "--device", device,
                "--log-level", str(level)]
-    return ProcessTree(command, env=dict(os.environ))
+    tree = ProcessTree(command, env=dict(os.environ))
+    return Follower(rank, tree.process.pid, tree)
+
+
+@dataclass(frozen=True)
+class WorldRendezvous:
+    """Rank 0 to the follower ranks of a launch "world" job: where to meet, and whom to outlive."""
+
+    store_port: int
+    leader_pid: int
+    device: str  # rank 0's; rank r's follows from it (`rank_device`)
+
+
+def _meet_world_followers(targets: MPI.Intracomm, port: int, device: str) -> list[Follower]:
+    """Tell ranks 1..T-1 of ``targets`` where rank 0's store listens; learn their pids.
+    Collective with `tensor_parallel_rank.serve_in_world`."""
+    targets.bcast(WorldRendezvous(port, os.getpid(), device), root=0)
+    pids = targets.gather(os.getpid(), root=0)
+    return [Follower(r, pid, started=start_time(pid)) for r, pid in enumerate(pids) if r > 0]
 
 
 def _wait_until_joined(store: dist.TCPStore, followers: list[Follower]) -> None:
@@ -458,7 +512,7 @@ def _wait_until_joined(store: dist.TCPStore, followers: list[Follower]) -> None:
     waiting = list(followers)
     while waiting:
         waiting = [f for f in waiting if not store.check([JOINED_KEY.format(rank=f.rank)])]
-        dead = [f for f in waiting if not f.process.running()]
+        dead = [f for f in waiting if not f.running()]
         if dead:
             raise RuntimeError("tensor-parallel target did not start: " + "; ".join(f.describe() for f in dead))
         if waiting and time.monotonic() > deadline:

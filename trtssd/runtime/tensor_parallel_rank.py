@@ -2,7 +2,8 @@
 
 Started by rank 0 (`trtssd.runtime.tensor_parallel.start_tensor_parallel_target`) as
 ``python -m trtssd.runtime.tensor_parallel_rank --rank R --size T --store-port P --leader-pid PID
---device D``.
+--device D``, or run by ranks 1..T-1 of an ``mpiexec -n T+1`` job (`serve_in_world`, launch
+"world"; trtssd/runtime/world.py), which learn the same from rank 0 over their communicator.
 It joins the group through rank 0's store, loads the shard ``ShardSetup`` names, and replays each
 `Mirror` message until told to shut down; the module docstring of trtssd/runtime/tensor_parallel.py
 says why and how. It exits when rank 0 is gone (a failed wait on the closed connection, or
@@ -17,6 +18,7 @@ import os
 import sys
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -24,6 +26,9 @@ from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.runtime import tensor_parallel as tp
 from trtssd.runtime.affinity import pin
 from trtssd.runtime.processes import exit_with
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +78,30 @@ def _replay(executor: TorchExecutor, control: dist.ProcessGroup) -> None:
             return
 
 
+def serve_in_world(targets: MPI.Intracomm) -> None:
+    """A follower rank of a launch "world" job: meet rank 0 (collective with its
+    `_meet_world_followers` over ``targets``), then serve as a started follower does."""
+    rendezvous: tp.WorldRendezvous = targets.bcast(None, root=0)
+    targets.gather(os.getpid(), root=0)
+    rank, size = targets.Get_rank(), targets.Get_size()
+    _serve_until_done(rank, size, rendezvous.store_port, rendezvous.leader_pid, rendezvous.device)
+
+
+def _serve_until_done(rank: int, size: int, store_port: int, leader_pid: int, device: str) -> None:
+    def before_exit() -> None:
+        log.warning("rank 0 (pid %d) is gone: exiting", leader_pid)
+
+    exit_with(leader_pid, before_exit)
+    store = dist.TCPStore(tp.STORE_HOST, store_port, size, is_master=False,
+                          timeout=timedelta(seconds=tp.START_TIMEOUT_S))
+    try:
+        serve(rank, size, store, device)
+    except Exception:  # noqa: BLE001 - logged; rank 0 sees this rank exit
+        log.exception("target rank %d failed", rank)
+        os._exit(1)  # a clean exit could wait on peers that are gone
+    tp.leave_group()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="trtssd tensor-parallel target rank (started by rank 0)")
     parser.add_argument("--rank", type=int, required=True)
@@ -83,19 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s target rank {args.rank} %(levelname)s %(message)s")
-
-    def before_exit() -> None:
-        log.warning("rank 0 (pid %d) is gone: exiting", args.leader_pid)
-
-    exit_with(args.leader_pid, before_exit)
-    store = dist.TCPStore(tp.STORE_HOST, args.store_port, args.size, is_master=False,
-                          timeout=timedelta(seconds=tp.START_TIMEOUT_S))
-    try:
-        serve(args.rank, args.size, store, args.device)
-    except Exception:  # noqa: BLE001 - logged; rank 0 sees this rank exit
-        log.exception("target rank %d failed", args.rank)
-        os._exit(1)  # a clean exit could wait on peers that are gone
-    tp.leave_group()
+    _serve_until_done(args.rank, args.size, args.store_port, args.leader_pid, args.device)
 
 
 if __name__ == "__main__":

@@ -181,7 +181,7 @@ def _overhead_by_batch(runs: list[RunResult], timings: Timings) -> dict[int, flo
         steps = [b / r.summary["decode_tokens_per_s"] for r in runs
                  if r.key.system == "ar" and r.key.batch_size == b and r.summary.get("decode_tokens_per_s")]
         if steps:
-            out[b] = float(np.mean(steps)) - timings.target_step(b)
+            out[b] = float(np.mean(steps)) - timings.target(b)
     return out
 
 
@@ -193,5 +193,5 @@ def _handshake_from_sd(runs: list[RunResult], timings: Timings) -> float | None:
             continue
         s = r.summary["spec"]
         wait = s["draft_wait_time_s"] / s["num_drafts"]
-        values.append(wait - r.key.k * timings.draft_step(r.key.batch_size))
+        values.append(wait - r.key.k * timings.draft(r.key.batch_size))
     return float(np.median(values)) if values else None

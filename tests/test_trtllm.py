@@ -37,7 +37,7 @@ from trtssd.trtllm.executor_target import (
     read_engine_parallelism, sampling_config_fields,
 )
 from trtssd.trtllm.executor_target import main as executor_target_main
-from trtssd.trtllm.verifier import TrtllmVerifier
+from trtssd.trtllm.verifier import TrtllmVerifier, trtllm_verifier
 
 ENGINES = Path(__file__).resolve().parent.parent / "engines"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
@@ -642,6 +642,16 @@ def test_plan_for_engine_checks_the_tensor_parallel_size(tmp_path):
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4 but the TensorRT-LLM engine in .* has "
                                          r"tp_size=2 .*--tp-size 4"):
         plan_for_engine(engine, tensor_parallel_size=4, world=MpiWorld(1, 0))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=1 but the TensorRT-LLM engine in .* has tp_size=2"):
+        plan_for_engine(engine, tensor_parallel_size=1, world=MpiWorld(1, 0))
+
+
+def test_the_verifier_refuses_an_engine_of_two_ranks_at_tensor_parallel_size_1(tmp_path, monkeypatch):
+    # As if tensorrt_llm were installed: the engine's size is checked before anything of it is imported.
+    monkeypatch.setattr("trtssd.trtllm.executor_target.tensorrt_llm_available", lambda: True)
+    engine = _engine_config(tmp_path, 2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=1 but the TensorRT-LLM engine in .* has tp_size=2"):
+        trtllm_verifier(engine, vocab_size=32)
 
 
 def _trtllm_runtime(engine: Path, size: int) -> RuntimeConfig:

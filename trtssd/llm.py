@@ -115,7 +115,7 @@ class LLM:
             return None
         # Injected from here: the runtime may not import the TensorRT-LLM layer, which sits on
         # top of it (tests/test_layering.py); tensorrt_llm itself is imported only now.
-        return trtllm_verifier(self.runtime.trtllm_engine_dir, vocab_size)
+        return trtllm_verifier(self.runtime.trtllm_engine_dir, vocab_size, self.runtime.tensor_parallel_size)
 
     # --- requests ----------------------------------------------------------------------------
 

@@ -76,13 +76,15 @@ class TrtllmVerifier:
         return Verified(tuple(accepted), tuple(bonus))
 
 
-def trtllm_verifier(engine_dir: str | Path, vocab_size: int) -> TrtllmVerifier:
+def trtllm_verifier(engine_dir: str | Path, vocab_size: int, tensor_parallel_size: int = 1) -> TrtllmVerifier:
     """A verifier on the TensorRT-LLM engine in ``engine_dir`` (built by
-    ``trtssd build --backend trtllm``). Raises TensorRTLLMMissing without ``tensorrt_llm``.
+    ``trtssd build --backend trtllm``), whose tp_size must be ``tensor_parallel_size`` (an engine
+    of T ranks is refused at 1, not run on one device). Raises TensorRTLLMMissing without
+    ``tensorrt_llm``.
 
     unverified: never run (TensorRT-LLM cannot be installed where trtssd is developed).
     """
     if not Path(engine_dir).is_dir():
         raise ValueError(f"trtllm_engine_dir {str(engine_dir)!r} is not a directory")
     log.info("target rounds on the TensorRT-LLM engine %s", engine_dir)
-    return TrtllmVerifier(TrtllmTargetExecutor(engine_dir), vocab_size)
+    return TrtllmVerifier(TrtllmTargetExecutor(engine_dir, tensor_parallel_size=tensor_parallel_size), vocab_size)

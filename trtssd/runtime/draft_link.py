@@ -20,6 +20,7 @@ processes are killed and the shared memory MPICH would have removed at MPI_Final
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -75,7 +76,7 @@ def _start_job(command: list[str], env: dict[str, str]) -> ProcessTree:
     removes. This process's own MPI segment is never the job's to remove.
     """
     return ProcessTree(command, env=env, shm_prefixes=MPICH_SHM_PREFIXES, file_prefixes=HYDRA_TEMP_PREFIXES,
-                       ignored_segments=_mapped_mpich_segments(os.getpid()))
+                       ignored_segments=mapped_segments(os.getpid(), MPICH_SHM_PREFIXES))
 
 
 def _end_job(job: ProcessTree) -> None:
@@ -95,18 +96,13 @@ def end_with_target(target_pid: int) -> None:
     reached its own MPI_Finalize (after a normal exit they are gone already). The target's
     resource tracker removes our buffers.
     """
-    target_segments = _mapped_mpich_segments(target_pid)  # the target is alive: it started us
+    target_segments = mapped_segments(target_pid, MPICH_SHM_PREFIXES)  # the target is alive: it started us
 
     def before_exit() -> None:
         log.warning("target process %d exited without shutting the draft down: exiting", target_pid)
-        remove_files(SHM_DIR + name for name in _mapped_mpich_segments(os.getpid()) | target_segments)
+        remove_files(SHM_DIR + name for name in mapped_segments(os.getpid(), MPICH_SHM_PREFIXES) | target_segments)
 
     exit_with(target_pid, before_exit)
-
-
-def _mapped_mpich_segments(pid: int) -> set[str]:
-    """Names of MPICH's shared-memory segments (/dev/shm/mpich_*) that process ``pid`` maps."""
-    return mapped_segments(pid, MPICH_SHM_PREFIXES)
 
 
 class DraftLink:
@@ -250,10 +246,8 @@ class DraftLink:
             return
         self._closed = True
         if self.alive:
-            try:
+            with contextlib.suppress(Exception):  # shutting down anyway
                 self.channel.send(P.Shutdown(), P.CONTROL_TAG)
-            except Exception:  # noqa: BLE001 - shutting down anyway
-                pass
         if self.job is not None:
             # The MPI connection is only taken down with a draft that exited cleanly: with a
             # dead peer, Disconnect could wait forever.

@@ -335,9 +335,7 @@ class DraftWorker:
         """F for Saguaro's scaling of this row, or NO_SCALING. sd drafts from the plain q (it has
         no cache); seeded rows too (the skew would follow the live tree budget); with no fork
         cached at this depth, lowering q's top token buys no hit and only costs acceptance."""
-        if self.spec.mode is Mode.SD or seq.seeded or fanout <= 0:
-            return NO_SCALING
-        return fanout
+        return NO_SCALING if self.spec.mode is Mode.SD or seq.seeded or fanout <= 0 else fanout
 
     def _uniforms(self, seqs: list[DraftSequence], keys: list[tuple[int, int, int]]) -> torch.Tensor:
         """[n, K] uniforms, row i for the chain answering outcome keys[i] = (round, k, bonus).
@@ -503,12 +501,11 @@ class DraftWorker:
         """Each sequence's branches become its cache for the next round."""
         start = 0
         for s, (lay, fan) in zip(seqs, layouts):
-            end = start + lay.num_branches
-            rows = slice(start, end)
+            rows = slice(start, start + lay.num_branches)
             probs = None if drafts.probs is None or s.params.is_greedy else drafts.probs[rows]
             self.cache[s.seq_id] = pre_speculation(tuple(fan), lay, tuple(x[rows] for x in step_logits),
                                                    drafts.tokens[rows], probs)
-            start = end
+            start = rows.stop
 
 
 def _stack(steps: list[tuple[torch.Tensor, torch.Tensor | None]]) -> Drafts:

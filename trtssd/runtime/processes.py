@@ -15,6 +15,7 @@ gone. The query functions give empty answers for a process that is gone or that 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -82,11 +83,9 @@ def remove_files(paths: Iterable[str]) -> list[str]:
     """Remove those of ``paths`` that exist; returns the ones removed."""
     removed = []
     for path in sorted(paths):
-        try:
+        with contextlib.suppress(FileNotFoundError):  # its owner removed it: it exited cleanly
             os.unlink(path)
             removed.append(path)
-        except FileNotFoundError:
-            pass  # its owner removed it: it exited cleanly
     return removed
 
 
@@ -182,10 +181,8 @@ class ProcessTree:
         self.record()  # processes started since the last look
         left = _wait_until_ended(self._live_processes(), grace_s)
         for process in left:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()  # psutil checks the start time first: never a stranger's process
-            except psutil.NoSuchProcess:
-                pass
         if self.running():
             self.process.kill()  # where nothing was recorded: the root at least
         self.process.wait()  # the root is our child: reap it

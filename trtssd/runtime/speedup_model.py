@@ -205,7 +205,7 @@ class Timings:
 
     def prespeculation(self, k: int, budget: int, b: int, hit_rate: float = 0.0) -> float:
         """T_p: glue plus K tree steps, the draft's work that must fit in the verify window."""
-        return self.glue(k, b, hit_rate) + (k * self.tree_step(budget, b) if budget > 0 else 0.0)
+        return self.glue(k, b, hit_rate) + k * self.tree_step(budget, b)
 
     def to_dict(self) -> dict:
         out = {"name": self.name, "target": self.target.to_dict(), "draft": self.draft.to_dict(),

@@ -470,9 +470,7 @@ class TargetLoop:
         """Load control (SpeculativeConfig.plain_under_load): speculate unless plain rounds have
         measured faster at this batch size. A seeded sampled row keeps the batch speculating:
         its seed promises the same output at any load."""
-        if not self.spec.plain_under_load or self._seeded_sampling():
-            return True
-        return self.chooser.speculate(len(self.running))
+        return not self.spec.plain_under_load or self._seeded_sampling() or self.chooser.speculate(len(self.running))
 
     def _seeded_sampling(self) -> bool:
         return any(s.params.seed is not None and not s.params.is_greedy for s in self.running)
@@ -561,9 +559,7 @@ class TargetLoop:
         new: list[int] = []
         for tok in tokens:
             new.append(tok)
-            if not params.ignore_eos and tok in self.eos_token_ids:
-                seq.finish_reason = "stop"
-            elif tok in params.stop_token_ids:
+            if (not params.ignore_eos and tok in self.eos_token_ids) or tok in params.stop_token_ids:
                 seq.finish_reason = "stop"
             elif len(seq.output) + len(new) >= params.max_tokens:
                 seq.finish_reason = "length"

@@ -228,10 +228,6 @@ class Follower:
         state = "running" if self.running() else "exited" if code is None else f"exited with code {code}"
         return f"target rank {self.rank} (pid {self.pid}) {state}"
 
-    @property
-    def in_world(self) -> bool:
-        return self.tree is None
-
 
 class TensorParallelExecutor:
     """Rank 0's executor: its own shard, every call that changes the KV state mirrored to the
@@ -248,39 +244,16 @@ class TensorParallelExecutor:
         self.failure: str | None = None  # why the group was lost; None while it runs
         self._closed = False
 
-    # What the runtime reads of an executor: the shard's (its local config names its share of
-    # heads, so a stored calibration of T = 1 is never taken for this one).
-    @property
-    def vocab_size(self) -> int:
-        return self.shard.vocab_size
+    # What the runtime reads of an executor is the shard's: its local config names its share of
+    # heads, so a stored calibration of T = 1 is never taken for this one, and every rank's KV rows
+    # are its shard's, so prompts split by the same rule as at T = 1 (prompt_splits).
+    _SHARD_READS = ("vocab_size", "max_seq_len", "max_batch_tokens", "max_seqs", "config", "model", "device",
+                    "dtype", "prompt_splits", "committed")
 
-    @property
-    def max_seq_len(self) -> int:
-        return self.shard.max_seq_len
-
-    @property
-    def max_batch_tokens(self) -> int:
-        return self.shard.max_batch_tokens
-
-    @property
-    def max_seqs(self) -> int:
-        return self.shard.max_seqs
-
-    @property
-    def config(self):
-        return self.shard.config
-
-    @property
-    def model(self):
-        return self.shard.model
-
-    @property
-    def device(self) -> torch.device:
-        return self.shard.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.shard.dtype
+    def __getattr__(self, name: str):
+        if name in TensorParallelExecutor._SHARD_READS:
+            return getattr(self.shard, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def follower_pids(self) -> list[int]:
@@ -289,9 +262,7 @@ class TensorParallelExecutor:
     # -- the executor protocol --------------------------------------------------------------------
 
     def add_sequence(self, seq_id: int) -> None:
-        self._check_alive()
-        self.shard.add_sequence(seq_id)
-        self._pending.append(("add_sequence", (seq_id,)))
+        self._mirrored("add_sequence", seq_id)
 
     def release(self, seq_id: int) -> None:
         # Never refused: freeing rows is also the cleanup after a failure.
@@ -299,27 +270,22 @@ class TensorParallelExecutor:
         if self.failure is None:
             self._pending.append(("release", (seq_id,)))
 
-    def committed(self, seq_id: int) -> int:
-        return self.shard.committed(seq_id)
-
     def commit(self, seq_id: int, n_tokens: int) -> None:
-        self._check_alive()
-        self.shard.commit(seq_id, n_tokens)
-        self._pending.append(("commit", (seq_id, n_tokens)))
+        self._mirrored("commit", seq_id, n_tokens)
 
     def share_prefix(self, src_seq_id: int, dst_seq_id: int, n_tokens: int) -> None:
-        self._check_alive()
-        self.shard.share_prefix(src_seq_id, dst_seq_id, n_tokens)
-        self._pending.append(("share_prefix", (src_seq_id, dst_seq_id, n_tokens)))
-
-    @property
-    def prompt_splits(self):
-        return self.shard.prompt_splits  # every rank's KV rows are its shard's: the same rule as T = 1
+        self._mirrored("share_prefix", src_seq_id, dst_seq_id, n_tokens)
 
     def copy_slots(self, seq_id: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         self._check_alive()
         self.shard.copy_slots(seq_id, src, dst)
         self._pending.append(("copy_slots", (seq_id, _host(src), _host(dst))))
+
+    def _mirrored(self, method: str, *args) -> None:
+        """A bookkeeping call on rank 0's shard, queued for the followers once it succeeded."""
+        self._check_alive()
+        getattr(self.shard, method)(*args)
+        self._pending.append((method, args))
 
     def forward(self, chunks: Sequence[Chunk]) -> list[torch.Tensor]:
         self._check_alive()
@@ -343,8 +309,7 @@ class TensorParallelExecutor:
             raise TensorParallelLost("the tensor-parallel target is closed")
         if self.failure is not None:
             raise TensorParallelLost(self.failure)
-        gone = [f for f in self._followers if not f.running()]
-        if gone:
+        if not all(f.running() for f in self._followers):
             raise self._lost(None)
 
     def _lost(self, error: str | None) -> TensorParallelLost:
@@ -359,12 +324,13 @@ class TensorParallelExecutor:
             self.failure = (f"tensor-parallel target lost: {cause}; the requests in flight cannot finish "
                             f"(tensor_parallel_size={self.size}); close this LLM and start a new one")
             log.error("%s", self.failure)
-            self._end_followers()
+            self._end_followers(self._followers)
             leave_group()
         return TensorParallelLost(self.failure)
 
-    def _end_followers(self) -> None:
-        for f in self._followers:
+    @staticmethod
+    def _end_followers(followers: list[Follower]) -> None:
+        for f in followers:
             if f.end():
                 log.info("killed %s", f.describe())
 
@@ -380,12 +346,10 @@ class TensorParallelExecutor:
                 log.warning("could not tell the target's followers to shut down (%s): killing them", err)
             # A follower of ours exits now; a world rank goes on to MPI_Finalize, which it leaves
             # only beside the job's other ranks, this one among them: it is not waited for.
-            started = [f for f in self._followers if not f.in_world]
+            started = [f for f in self._followers if f.tree is not None]
             for f in started:
                 f.wait(EXIT_GRACE_S)
-            for f in started:
-                if f.end():
-                    log.info("killed %s", f.describe())
+            self._end_followers(started)
             leave_group()
         self._store = None
 

@@ -88,10 +88,7 @@ def serve_in_world(targets: MPI.Intracomm) -> None:
 
 
 def _serve_until_done(rank: int, size: int, store_port: int, leader_pid: int, device: str) -> None:
-    def before_exit() -> None:
-        log.warning("rank 0 (pid %d) is gone: exiting", leader_pid)
-
-    exit_with(leader_pid, before_exit)
+    exit_with(leader_pid, lambda: log.warning("rank 0 (pid %d) is gone: exiting", leader_pid))
     store = dist.TCPStore(tp.STORE_HOST, store_port, size, is_master=False,
                           timeout=timedelta(seconds=tp.START_TIMEOUT_S))
     try:

@@ -56,16 +56,13 @@ class WorldGroups:
     def is_draft(self) -> bool:
         return self.rank == self.tensor_parallel_size
 
-    @property
-    def is_follower(self) -> bool:
-        return 0 < self.rank < self.tensor_parallel_size
-
 
 @functools.lru_cache(maxsize=None)
 def world_groups(tensor_parallel_size: int) -> WorldGroups:
     """This process's communicators; the first call is collective over COMM_WORLD (every rank
     makes it, with the same size) and later calls return the same groups."""
-    world = require_mpi("launch='world'").COMM_WORLD
+    mpi = require_mpi("launch='world'")
+    world = mpi.COMM_WORLD
     size, rank = world.Get_size(), world.Get_rank()
     _check_one_host(world)  # collective: every rank is past MPI_Init, its segment attached
     if rank == 0:
@@ -76,7 +73,6 @@ def world_groups(tensor_parallel_size: int) -> WorldGroups:
                          f"{tensor_parallel_size} the draft); this job has {size} ranks")
     if tensor_parallel_size == 1:
         return WorldGroups(rank, 1, None, world)
-    mpi = require_mpi("launch='world'")
     targets = world.Split(0 if rank < tensor_parallel_size else mpi.UNDEFINED, rank)
     link = world.Split(0 if rank in (0, tensor_parallel_size) else mpi.UNDEFINED, rank)
     return WorldGroups(rank, tensor_parallel_size, None if targets == mpi.COMM_NULL else targets,

@@ -14,6 +14,7 @@ in ar mode and serving goes on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -85,10 +86,8 @@ class RequestStream:
     # --- from the loop thread ------------------------------------------------------------------
 
     def _call(self, fn, *args) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is listening any more
             self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
 
     # --- on the event loop: the output processor ------------------------------------------------
 
@@ -206,15 +205,12 @@ class AsyncLLM:
         """Apply queued commands (waiting for one when idle). False once told to shut down."""
         try:
             command = self._commands.get(block=block)
+            while command is not None:
+                fn, args = command
+                self._ended(fn(*args))
+                command = self._commands.get_nowait()
         except queue.Empty:
             return True
-        while command is not None:
-            fn, args = command
-            self._ended(fn(*args))
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return True
         return False
 
     def _deliver(self, outputs: list[StepOutput]) -> None:

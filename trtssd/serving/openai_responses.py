@@ -21,6 +21,7 @@ prompt's logprobs) in a chunk of its own before the first tokens'.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
@@ -102,10 +103,7 @@ class Responder:
 
     def _fields(self, chunk: bool) -> dict:
         """What every response and chunk of the request repeats."""
-        if self.chat:
-            obj = "chat.completion.chunk" if chunk else "chat.completion"
-        else:
-            obj = "text_completion"
+        obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self._id, "object": obj, "created": self._created, "model": self._model}
 
     def _choice(self, content: dict, logprobs: dict | None, finish_reason: str | None, token_ids) -> dict:
@@ -137,10 +135,8 @@ class Responder:
         # Alternatives per token: the request's logprobs (an echoed prompt may be scored with more).
         num_top = self.req.logprobs
         tokens = [self._token_text(t) for t, _ in items]
-        offsets = []
-        for text in tokens:
-            offsets.append(self._offset)
-            self._offset += len(text)
+        offsets = list(itertools.accumulate(map(len, tokens), initial=self._offset))
+        self._offset = offsets.pop()
         return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for _, e in items],
                 "top_logprobs": [None if e is None else
                                  {**{self._token_text(t): lp for t, lp in e.top[:num_top]}, text: e.logprob}

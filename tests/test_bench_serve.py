@@ -67,9 +67,11 @@ def metrics_text(served: int) -> str:
              f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} {sum(ACCEPTED_PER_POS) * served}.0"]
     lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{i}"}} {n * served}.0'
               for i, n in enumerate(ACCEPTED_PER_POS)]
-    lines += [f"trtssd:cache_hits_total {HITS * served}.0", f"trtssd:cache_misses_total {MISSES * served}.0",
+    lines += [f"trtssd:spec_decode_cache_hits_total {HITS * served}.0",  # trtssd serve's names
+              f"trtssd:spec_decode_cache_misses_total {MISSES * served}.0",
               "trtssd:cache_hit_rate 0.123",  # a gauge with a similar name must not be read as the counter
-              f'vllm:prefix_cache_hits_total{{{labels}}} 999.0']  # another cache altogether
+              f'vllm:prefix_cache_hits_total{{{labels}}} 999.0',  # another cache altogether
+              f"trtssd:draft_prefix_cache_hits_total {999 * served}.0"]  # sorts first, and is not it either
     return "\n".join(lines) + "\n"
 
 
@@ -251,7 +253,7 @@ def test_metrics_scrape_gives_acceptance_and_hit_rate():
     assert spec["mean_acceptance_length"] == 3.0  # 1 + accepted / drafts
     assert spec["acceptance_rate"] == 0.5
     assert spec["acceptance_rate_per_position"] == [0.8, 0.6, 0.4, 0.2]
-    assert spec["cache_hit_rate"] == 0.75 and spec["cache_hits_metric"] == "trtssd:cache_hits"
+    assert spec["cache_hit_rate"] == 0.75 and spec["cache_hits_metric"] == "trtssd:spec_decode_cache_hits"
     assert spec_summary(None, after) is None
     assert spec_summary({}, {}) == {}  # a server without these metrics: nothing to report, no error
 

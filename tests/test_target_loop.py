@@ -574,6 +574,38 @@ def test_plain_rounds_chosen_under_load_keep_the_draft_in_step(tiny, mode):
     assert all(m["num_accepted_tokens"] >= 3 * (m["num_drafts"] - 1) for m in full), full
 
 
+class _Recorder(_Alternate):
+    """Alternates like `_Alternate` and keeps what each round reported."""
+
+    def __init__(self, pattern):
+        super().__init__(pattern)
+        self.seen: list[tuple[bool, float]] = []
+
+    def observe(self, speculative, batch, tokens, seconds, steady=True):
+        self.seen.append((speculative, seconds))
+
+
+@pytest.mark.parametrize("pattern", [(False,), (True,)])
+def test_load_control_times_rounds_without_the_caches_upkeep(tiny, pattern):
+    """A forward that compacts the cache (GgmlExecutor.upkeep_s) is reported to load control
+    without the compaction: one would otherwise weigh in its running rate as if every round had
+    slowed, and start a try of the other choice."""
+    with _llm(tiny, "ssd", plain_under_load=True) as llm:
+        target, forward = llm.loop.target, llm.loop.target.forward
+        target.upkeep_s = 0.0
+
+        def forward_with_upkeep(chunks):
+            target.upkeep_s += 0.5  # as if this forward had compacted for half a second
+            time.sleep(0.5)
+            return forward(chunks)
+
+        target.forward = forward_with_upkeep
+        llm.loop.chooser = recorder = _Recorder(pattern)
+        llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        rounds = [(spec, s) for spec, s in recorder.seen if spec == pattern[0]]
+        assert rounds and all(s < 0.5 for _, s in rounds), rounds
+
+
 class _PlainThenSpeculate:
     """A chooser decided on plain rounds for its first ``plain`` rounds, then on speculation."""
 

@@ -57,6 +57,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -200,6 +201,9 @@ class GgmlExecutor:
         self._free_lanes = list(range(MAX_LANES - 2 if row_invariant else MAX_LANES))
         self._allocated = 0  # cells llama.cpp holds (row_invariant: live + trash, packed from cell 0)
         self._trashed = 0
+        # Seconds spent compacting so far: upkeep for every round since the last compaction, paid
+        # within one forward. Load control leaves it out of the rounds it times (target_loop.py).
+        self.upkeep_s = 0.0
         self._seqs: dict[int, _Sequence] = {}
         log.info("GgmlExecutor %s: %d threads, %d cells, vocab %d", self.path.name, self.threads,
                  cparams.n_ctx, self.vocab_size)
@@ -458,7 +462,7 @@ class GgmlExecutor:
     def compact(self) -> None:
         """Drop the trash and pack the live cells from cell 0, in their order (llama.cpp's whole
         state saved and restored: the restore lays cells out in the order they were saved)."""
-        L = self._L
+        L, t0 = self._L, time.perf_counter()
         L.llama_memory_seq_rm(self._memory, self._trash, -1, -1)
         size = L.llama_state_get_size(self._ctx)
         buf = (ctypes.c_ubyte * size)()
@@ -466,6 +470,7 @@ class GgmlExecutor:
         if L.llama_state_set_data(self._ctx, buf, written) != written:
             raise RuntimeError("llama.cpp could not restore its state while compacting the cache")
         self._allocated, self._trashed = self._live_cells(), 0
+        self.upkeep_s += time.perf_counter() - t0
 
     def _live_cells(self) -> int:
         """Cells some sequence holds, each once (sequences sharing a prefix hold the same cells)."""

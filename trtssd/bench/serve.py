@@ -398,9 +398,10 @@ def counter_value(samples: Sequence[Sample], name: str, **labels: str) -> float 
 SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
                  "accepted_tokens": "vllm:spec_decode_num_accepted_tokens"}
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
-# trtssd's speculation-cache counters: any trtssd:…cache_hits / trtssd:…cache_misses (the server names them).
-_CACHE_HITS = re.compile(r"^(trtssd:\w*cache_hits)(_total)?$")
-_CACHE_MISSES = re.compile(r"^(trtssd:\w*cache_misses)(_total)?$")
+# trtssd's speculation-cache counters: trtssd:…cache_hits / trtssd:…cache_misses (the server names
+# them), never a prefix cache's (trtssd:draft_prefix_cache_hits counts prompt tokens, not rounds).
+_CACHE_HITS = re.compile(r"^(trtssd:(?!\w*prefix_cache)\w*cache_hits)(_total)?$")
+_CACHE_MISSES = re.compile(r"^(trtssd:(?!\w*prefix_cache)\w*cache_misses)(_total)?$")
 
 
 def server_counters(samples: Sequence[Sample]) -> dict[str, float]:

@@ -4,14 +4,22 @@
 # default mode, at concurrency 1, 2, 4, 8 and 16 (greedy, --ignore-eos, 16 prompts x 64 tokens),
 # the old commit and the current tree alternated (old, new, new, old) in one run so that drift of
 # the machine falls on both. Each server gets 30 s after it answers /health before it is measured.
-#   bash docs/bench/serve-text-off-target-cores/run.sh [OLD_COMMIT]   (default: af005ee)
-# The old commit runs from a git worktree with this checkout's virtualenv. Writes before-1,
-# after-1, after-2, before-2 and compare.md beside itself; run on a quiet machine.
+#   bash docs/bench/serve-text-off-target-cores/run.sh [OLD_COMMIT [RESULTS [SERVE_OPTION...]]]
+# (default: af005ee, text-move-only, --prefix-cache-seqs 0 --prefill-chunk 0). The old commit
+# runs from a git worktree with this checkout's virtualenv; the current tree runs with the serve
+# options given. By default they turn off what the old commit lacks: the prefix cache (on ggml the
+# prompts it keeps slow every forward, docs/bench/prefix-cache-decode-cost/) and chunked prefill
+# (it trades inter-token latency for time to first token), so only the move of the text work
+# differs. Writes before-1, after-1, after-2, before-2 and compare.md into RESULTS beside itself;
+# run on a quiet machine.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 root=$PWD
-here=docs/bench/serve-text-off-target-cores
 old=${1:-af005ee}
+here=docs/bench/serve-text-off-target-cores/${2:-text-move-only}
+after_options=("${@:3}")
+[[ $# -ge 3 ]] || after_options=(--prefix-cache-seqs 0 --prefill-chunk 0)
+mkdir -p "$here"
 PORT=18452
 worktree=$(mktemp -d /tmp/trtssd-before.XXXXXX)
 pid=""
@@ -21,10 +29,11 @@ trap cleanup EXIT
 git worktree add --detach "$worktree" "$old" >/dev/null
 .venv/bin/trtssd build --backend ggml >/dev/null
 engine=$root/engines/smollm2-135m-ggml
-run() {  # label, source tree
+run() {  # label, source tree, extra serve options
   local label=$1 tree=$2
+  shift 2
   (cd "$tree" && PYTHONPATH=$tree exec "$root/.venv/bin/python" -m trtssd.cli serve --port "$PORT" \
-     --engine "$engine" --max-batch 16) >"$here/$label.log" 2>&1 &
+     --engine "$engine" --max-batch 16 "$@") >"$here/$label.log" 2>&1 &
   pid=$!
   until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do kill -0 "$pid"; sleep 1; done
   sleep 30
@@ -33,7 +42,7 @@ run() {  # label, source tree
   stop
 }
 run before-1 "$worktree"
-run after-1 "$root"
-run after-2 "$root"
+run after-1 "$root" "${after_options[@]}"
+run after-2 "$root" "${after_options[@]}"
 run before-2 "$worktree"
 .venv/bin/trtssd bench serve --compare "$here/before-1" "$here/after-1" "$here/after-2" "$here/before-2" --out "$here"

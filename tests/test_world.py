@@ -134,16 +134,17 @@ def test_a_rank_0_that_cannot_start_ends_the_job_with_its_reason(tiny, tmp_path)
     assert "allowed values: 1, 2" in proc.stderr
 
 
-def test_the_default_engine_on_three_target_ranks_from_the_command_line():
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_the_default_engine_on_three_target_ranks_from_the_command_line(mode):
     """SmolLM2's 9 heads over 3 KV heads split 3 ways (not 2): ``trtssd generate`` on every rank
-    of ``mpiexec -n 4`` gives the tokens of one rank's ar."""
+    of ``mpiexec -n 4`` gives the tokens of one rank's ar, in sd and in ssd."""
     from trtssd.build import default_engine
 
     engine = default_engine()
     args = ["--engine", str(engine), "--prompt", "The capital of France is", "--prompt", "def fibonacci(n):",
             "--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--json"]
-    proc = _mpiexec(4, str(BINDIR / "trtssd"), "generate", *args, "--mode", "ssd", "--launch", "world",
-                    "--tensor-parallel-size", "3")
+    proc = _mpiexec(4, str(BINDIR / "trtssd"), "generate", *args, "--mode", mode, "--launch", "world",
+                    "--tensor-parallel-size", "3", "--no-plain-under-load")
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout)["outputs"]
     ref = subprocess.run([str(BINDIR / "trtssd"), "generate", *args, "--mode", "ar", "--launch", "local"],

@@ -70,6 +70,69 @@ def test_ggml_prompt_split_where_allowed_equals_one_prefill_bit_for_bit(length):
     ex.close()
 
 
+@pytest.mark.parametrize("how", ["chunked", "shared"])
+def test_ggml_prompt_continued_after_a_compaction_equals_one_prefill_bit_for_bit(how):
+    """A compaction packs live cells from cell 0, moving a prefix off the 64-cell alignment its
+    prompt's later pieces are tiled by: the executor lays it again before the next long chain.
+    A chunked prompt's second piece, and the rest of a prompt sharing a running one's prefix."""
+    pytest.importorskip("llama_cpp")
+    from trtssd.backends.ggml_backend import GgmlExecutor
+    from trtssd.models.smollm2 import ensure_smollm2_gguf
+
+    ex = GgmlExecutor(ensure_smollm2_gguf(), max_seqs=4, max_seq_len=400, threads=1)
+    prompt = _prompt(300, 3)
+    ex.add_sequence(0)
+    whole = _prefill(ex, 0, prompt, 0)
+    ex.release(0)
+    for seq_id, n in ((1, 90), (2, 37)):  # 37 live cells will sit before what follows
+        ex.add_sequence(seq_id)
+        _prefill(ex, seq_id, _prompt(n, seq_id), 0)
+    ex.release(1)
+    ex.add_sequence(5)
+    if how == "chunked":
+        _prefill(ex, 5, prompt[:128], 0)
+    else:
+        ex.add_sequence(4)
+        _prefill(ex, 4, prompt, 0)
+        ex.share_prefix(4, 5, 128)
+    ex.compact()
+    assert torch.equal(_prefill(ex, 5, prompt[128:], 128), whole)
+    ex.close()
+
+
+def test_ggml_prefix_saved_out_of_the_cache_and_loaded_back_equals_one_prefill_bit_for_bit():
+    """A finished prompt's KV copied to host memory and loaded into a new sequence, after other
+    requests came and went, in part (a shorter cached prefix) or whole, gives a fresh prefill's
+    logits bit for bit; the saved sequence leaves llama.cpp's cache."""
+    pytest.importorskip("llama_cpp")
+    from trtssd.backends.ggml_backend import GgmlExecutor
+    from trtssd.models.smollm2 import ensure_smollm2_gguf
+
+    ex = GgmlExecutor(ensure_smollm2_gguf(), max_seqs=3, max_seq_len=400, threads=2)
+    prompt = _prompt(300, 3)
+    ex.add_sequence(0)
+    whole = _prefill(ex, 0, prompt, 0)
+    after = ex.forward([chain_chunk(0, [5, 6, 7], 300)])[0]
+    ex.commit(0, 2)  # generated tokens past the prompt are not saved
+    saved = ex.save_prefix(0, 256)
+    ex.release(0)
+    for seq_id, other in ((1, _prompt(90, 4)), (2, _prompt(37, 5))):  # the cache's history moves on
+        ex.add_sequence(seq_id)
+        _prefill(ex, seq_id, other, 0)
+    ex.release(1)
+    for i, at in enumerate((128, 192), start=10):  # splits a prefill allows (a cached prefix ends there)
+        ex.add_sequence(i)
+        ex.load_prefix(i, saved, at)
+        assert ex.committed(i) == at
+        assert torch.equal(_prefill(ex, i, prompt[at:], at), whole), at
+        assert torch.equal(ex.forward([chain_chunk(i, [5, 6, 7], 300)])[0], after), at
+        ex.release(i)
+    with pytest.raises(ValueError, match="n_tokens"):
+        ex.add_sequence(20)
+        ex.load_prefix(20, saved, 257)
+    ex.close()
+
+
 # --- the cache's bookkeeping --------------------------------------------------------------------
 
 class _Rows:
@@ -110,20 +173,58 @@ def test_longest_cached_prefix_is_shared_and_counted():
     assert cache.start(5, a, reuse=False) == 0  # a request that wants every prompt row's logits
 
 
-def test_least_recently_used_goes_first_and_a_full_executor_evicts_instead_of_refusing():
-    rows = _Rows(3)
-    cache = PrefixCache(rows, max_kept=2)
-    prompts = [_prompt(40, seed) for seed in range(3)]
+def _run_to_the_end(cache: PrefixCache, n: int) -> list[list[int]]:
+    """Sequences 0..n-1 on distinct 40-token prompts, each prefilled, indexed and finished."""
+    prompts = [_prompt(40, seed) for seed in range(n)]
     for i, p in enumerate(prompts):
         cache.start(i, p)
         cache.index(i, p)
         cache.finish(i)
+    return prompts
+
+
+def test_least_recently_used_goes_first_and_a_full_executor_evicts_instead_of_refusing():
+    rows = _Rows(3)
+    cache = PrefixCache(rows, max_kept=2)
+    prompts = _run_to_the_end(cache, 3)
     assert rows.live == {1, 2}  # max_kept 2: the oldest (0) went
     assert cache.start(10, prompts[1] + [1]) == 32  # 1 is now the most recently used
     cache.start(11, _prompt(40, 9))  # the executor is full: the least recently used (2) goes
     assert rows.live == {1, 10, 11}
     with pytest.raises(CapacityError):  # only running sequences left: the executor's own error
         cache.start(12, _prompt(40, 8)), cache.start(13, _prompt(40, 7))
+
+
+class _SavingRows(_Rows):
+    """An executor that copies a finished prompt out (llama.cpp's host-memory prompt cache)."""
+
+    def __init__(self, max_seqs: int):
+        super().__init__(max_seqs)
+        self.loads = []
+
+    def save_prefix(self, seq_id, n):
+        assert seq_id in self.live
+        return ("saved", seq_id, n)
+
+    def load_prefix(self, seq_id, saved, n):
+        assert seq_id in self.live and n <= saved[2]
+        self.loads.append((saved[1], seq_id, n))
+
+
+def test_an_executor_that_saves_prefixes_holds_only_running_sequences():
+    rows = _SavingRows(2)
+    cache = PrefixCache(rows, max_kept=2)
+    prompts = _run_to_the_end(cache, 3)
+    assert rows.live == set()  # kept in host memory, released from the executor
+    assert cache.start(10, prompts[2] + [1]) == 32 and rows.loads == [(2, 10, 32)] and not rows.shares
+    cache.index(10, prompts[2] + [1])  # running: a later hit shares its rows instead
+    assert cache.start(11, prompts[2] + [2]) == 32 and rows.shares == [(10, 11, 32)]
+    with pytest.raises(CapacityError):  # saved prompts hold no executor sequence to give back
+        cache.start(12, prompts[0])
+    cache.finish(11)  # unindexed: released
+    assert cache.start(12, prompts[0]) == 0  # evicted: two kept (1 and 2)
+    cache.finish(12)
+    assert cache.start(13, prompts[1] + [3]) == 32 and rows.loads[-1] == (1, 13, 32)
 
 
 def test_a_hash_collision_is_a_miss_never_a_wrong_prefix(monkeypatch):

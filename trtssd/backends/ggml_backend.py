@@ -32,7 +32,10 @@ setting; tests/test_ggml_backend.py checks each, so an upgrade that breaks one f
 - A forward of 64 tokens or more runs a tiled attention whose sums group keys by 64-cell tiles:
   such a chain (a prompt) starts at a cell whose index is its position modulo 64 (a few *filler*
   tokens, trashed at once, pad the cache up to it) and is cut at fixed positions (multiples of
-  512). Every other forward goes to llama.cpp in pieces of at most 7 tokens: from 8 tokens on,
+  512). The prefix such a chain continues (a chunked prompt's earlier pieces, a cached prefix)
+  must lie so too, and a compaction moves cells by whatever was trashed before them: a sequence
+  whose prefix a compaction moved is *realigned* before its next long chain (its prefix copied
+  out and laid back from an aligned cell, as a cached prefix is loaded). Every other forward goes to llama.cpp in pieces of at most 7 tokens: from 8 tokens on,
   llama.cpp multiplies K-quant and IQ weights (Q4_K_M files, and the Q6_K output matrix most
   quantized files carry) with a tiled kernel whose sums differ from its one-row kernel's by up to
   0.5 in a logit (measured on the Qwen2.5-Coder 1.5B Q4_K_M target); pieces of 2 to 7 tokens keep
@@ -120,6 +123,16 @@ class _Cell:
     refs: int = 0  # slots that name it
 
 
+@dataclass(frozen=True)
+class SavedPrefix:
+    """A prompt's KV copied out of llama.cpp's cache (``save_prefix``), as llama.cpp serialises
+    one sequence's state."""
+
+    n_tokens: int
+    data: ctypes.Array  # llama_state_seq_get_data's bytes
+    size: int
+
+
 @dataclass(eq=False)
 class _Lane:
     """One llama.cpp sequence id: the first ``prefix`` committed cells of its sequence, and
@@ -137,6 +150,7 @@ class _Sequence:
     prefix: list[_Cell] = field(default_factory=list)  # committed cells, by position
     slots: dict[int, _Cell] = field(default_factory=dict)  # region slot -> cell
     lanes: list[_Lane] = field(default_factory=list)  # base first
+    laid: int = 0  # the executor's compaction count when its prefix was last known aligned
 
 
 class GgmlExecutor:
@@ -201,6 +215,7 @@ class GgmlExecutor:
         self._free_lanes = list(range(MAX_LANES - 2 if row_invariant else MAX_LANES))
         self._allocated = 0  # cells llama.cpp holds (row_invariant: live + trash, packed from cell 0)
         self._trashed = 0
+        self._compactions = 0
         # Seconds spent compacting so far: upkeep for every round since the last compaction, paid
         # within one forward. Load control leaves it out of the rounds it times (target_loop.py).
         self.upkeep_s = 0.0
@@ -241,7 +256,7 @@ class GgmlExecutor:
         if len(self._seqs) >= self.max_seqs:
             raise CapacityError(f"all {self.max_seqs} sequences are in use (max_seqs={self.max_seqs})")
         base = self._new_lane()
-        self._seqs[seq_id] = _Sequence(base=base, lanes=[base])
+        self._seqs[seq_id] = _Sequence(base=base, lanes=[base], laid=self._compactions)
 
     def release(self, seq_id: int) -> None:
         seq = self._seqs.pop(seq_id, None)
@@ -281,6 +296,61 @@ class GgmlExecutor:
         for cell in dst.prefix:
             cell.lanes.add(dst.base.id)
         dst.committed = dst.base.prefix = n_tokens
+        dst.laid = src.laid
+
+    def save_prefix(self, seq_id: int, n_tokens: int) -> SavedPrefix:
+        """A copy of the first ``n_tokens`` committed tokens' KV in host memory (llama.cpp's
+        per-sequence state), so a finished prompt kept for reuse leaves the cache: every forward
+        attends over all of llama.cpp's cells, so kept cells would slow every later token."""
+        seq = self._seq(seq_id)
+        check_share(seq_id, seq.committed, seq_id, False, n_tokens)
+        return self._save(seq, n_tokens)
+
+    def _save(self, seq: _Sequence, n_tokens: int) -> SavedPrefix:
+        L, lane = self._L, self._new_lane()  # a lane holding exactly those cells, for the copy
+        try:
+            L.llama_memory_seq_cp(self._memory, seq.base.id, lane.id, 0, n_tokens)
+            data = (ctypes.c_ubyte * L.llama_state_seq_get_size(self._ctx, lane.id))()
+            written = L.llama_state_seq_get_data(self._ctx, data, len(data), lane.id)
+        finally:
+            L.llama_memory_seq_rm(self._memory, lane.id, -1, -1)  # the cells stay on the base lane
+            self._free_lanes.append(lane.id)
+        if not written:
+            raise RuntimeError("llama.cpp could not copy a prefix out of its cache")
+        return SavedPrefix(n_tokens, data, written)
+
+    def load_prefix(self, seq_id: int, saved: SavedPrefix, n_tokens: int) -> None:
+        """Give the new sequence the first ``n_tokens`` of a saved prefix as its committed prefix:
+        the same KV bytes, laid out from a cell aligned as a prefill's would be."""
+        seq = self._seq(seq_id)
+        check_share(seq_id, saved.n_tokens, seq_id, bool(seq.committed or seq.slots), n_tokens)
+        if self.row_invariant and self._allocated + saved.n_tokens + _TILE > self._n_cells:
+            self.compact()
+        self._lay_prefix(seq, saved, n_tokens)
+
+    def _lay_prefix(self, seq: _Sequence, saved: SavedPrefix, n_tokens: int) -> None:
+        L, lane = self._L, seq.base.id
+        if self.row_invariant:
+            self._align(0)
+        if L.llama_state_seq_set_data(self._ctx, saved.data, saved.size, lane) != saved.size:
+            raise CapacityError(f"llama.cpp found no room for a {saved.n_tokens}-token prefix")
+        self._allocated += saved.n_tokens
+        if n_tokens < saved.n_tokens:  # the rest of the saved prompt: not this request's prefix
+            self._trash_cells(lane, n_tokens, saved.n_tokens)
+            L.llama_memory_seq_rm(self._memory, lane, n_tokens, -1)
+        seq.prefix = [_Cell(pos, {lane}) for pos in range(n_tokens)]
+        seq.committed = seq.base.prefix = n_tokens
+        seq.laid = self._compactions
+
+    def _realign(self, seq: _Sequence) -> None:
+        """Lay a sequence's committed prefix again from an aligned cell (module docstring): its
+        cells go to the trash (those other sequences share stay theirs) and a copy comes back."""
+        saved = self._save(seq, seq.committed)
+        self._trash_cells(seq.base.id, 0, seq.committed)
+        self._L.llama_memory_seq_rm(self._memory, seq.base.id, -1, -1)
+        for cell in seq.prefix:
+            cell.lanes.discard(seq.base.id)
+        self._lay_prefix(seq, saved, seq.committed)
 
     def copy_slots(self, seq_id: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Slots ``dst`` name the cells of slots ``src``: the same KV, nothing recomputed."""
@@ -327,9 +397,13 @@ class GgmlExecutor:
         # as many trashed ones: its cost per freed cell stays the same however many prompts the
         # prefix cache keeps live.
         compact_after = max(_COMPACT_AFTER, self._allocated - self._trashed)
-        if self.row_invariant and (self._trashed >= compact_after or self._allocated + total + _TILE > self._n_cells
+        moved = self._moved_prefixes(chunks, seqs)
+        room = total + sum(seq.committed + _TILE for seq in moved)
+        if self.row_invariant and (self._trashed >= compact_after or self._allocated + room + _TILE > self._n_cells
                                    or self._trash_splits(total)):
             self.compact()  # before placing: the cells placed below are not in llama.cpp's cache yet
+        for seq in self._moved_prefixes(chunks, seqs):
+            self._realign(seq)
         per_chunk = []  # each chunk's (token, position, lane id, wants logits)
         # Prompts, also those asking for every row's logits (prompt logprobs): their KV is then
         # the same as without, so what follows is too.
@@ -345,6 +419,18 @@ class GgmlExecutor:
             logits = self._decode_invariant(per_chunk, alone)
         sizes = [1 if c.last_logits_only else c.tokens.numel() for c in chunks]
         return list(logits.split(sizes))
+
+    def _moved_prefixes(self, chunks: Sequence[Chunk], seqs: list[_Sequence]) -> list[_Sequence]:
+        """Sequences whose long chain continues a prefix a compaction may have moved off its
+        alignment. A prefix alone on its base lane only: a prefill's (a tree's region has
+        only short forwards)."""
+        if not self.row_invariant:
+            return []
+        for seq in seqs:
+            if not seq.committed:
+                seq.laid = self._compactions  # nothing laid yet: the chain aligns itself
+        return [seq for c, seq in zip(chunks, seqs) if c.tokens.numel() >= _TILE and seq.laid != self._compactions
+                and not seq.slots and len(seq.lanes) == 1]
 
     def _place(self, c: Chunk, seq: _Sequence) -> list[int]:
         """Write each token of the chunk on the lane holding exactly what its mask shows it;
@@ -470,6 +556,7 @@ class GgmlExecutor:
         if L.llama_state_set_data(self._ctx, buf, written) != written:
             raise RuntimeError("llama.cpp could not restore its state while compacting the cache")
         self._allocated, self._trashed = self._live_cells(), 0
+        self._compactions += 1
         self.upkeep_s += time.perf_counter() - t0
 
     def _live_cells(self) -> int:
@@ -527,11 +614,14 @@ class GgmlExecutor:
         cell.lanes.clear()
 
     def _trash_cell(self, lane_id: int, cell: _Cell) -> None:
-        """Row-invariantly, a cell leaving its last lane goes to the trash instead of being
-        freed, so no later token takes its place below live cells."""
+        self._trash_cells(lane_id, cell.pos, cell.pos + 1)
+
+    def _trash_cells(self, lane_id: int, start: int, end: int) -> None:
+        """Row-invariantly, cells leaving their last lane go to the trash instead of being
+        freed, so no later token takes their place below live cells."""
         if self.row_invariant:
-            self._L.llama_memory_seq_cp(self._memory, lane_id, self._trash, cell.pos, cell.pos + 1)
-            self._trashed += 1
+            self._L.llama_memory_seq_cp(self._memory, lane_id, self._trash, start, end)
+            self._trashed += end - start
 
     def _settle_lanes(self, seq: _Sequence) -> None:
         """Fold committed cells into each lane's prefix, and free lanes nothing needs: a lane

@@ -12,7 +12,11 @@ Each rank keeps its own, over its own executor: the target for its prefill, the 
   `Executor.share_prefix` (llama.cpp: the same cells under one more sequence id; torch: a copy of
   the rows), then prefills what follows it.
 - Finished holders are kept up to ``max_kept`` and evicted least recently used first, also when
-  the executor has no room for a new sequence, so the cache never refuses a request.
+  the executor has no room for a new sequence, so the cache never refuses a request. An executor
+  that can copy a prefix out (`save_prefix`, llama.cpp) keeps a finished holder's prompt KV in
+  host memory and releases the sequence, and a hit loads it back (`load_prefix`): llama.cpp
+  attends over every cell of its cache in every forward, so kept cells would slow each token of
+  the requests that follow (as llama-server's host-memory prompt cache does).
 - A cached prefix must give a fresh prefill's KV and logits, so it ends only where the executor
   allows a prompt to be split (`PromptSplits.allows`: anywhere on torch; on llama.cpp where the
   rest stays on the kernels one prefill uses), and only KV written by a prompt's prefill is
@@ -43,6 +47,7 @@ def block_hashes(tokens: list[int], block: int) -> list[int]:
 class _Holder:
     prompt: list[int]
     hashes: list[int]
+    saved: object = None  # the executor's copy of the indexed prompt's KV, once the sequence is released
 
 
 class PrefixCache:
@@ -73,7 +78,11 @@ class PrefixCache:
         if found is None:
             return 0
         holder, n = found
-        self.executor.share_prefix(holder, seq_id, n)
+        saved = self._holders[holder].saved
+        if saved is None:
+            self.executor.share_prefix(holder, seq_id, n)
+        else:
+            self.executor.load_prefix(seq_id, saved, n)
         if holder in self._kept:
             self._kept.move_to_end(holder)
         self.hit_tokens += n
@@ -92,16 +101,15 @@ class PrefixCache:
 
     def finish(self, seq_id: int) -> None:
         """A sequence ended: kept for reuse if it holds blocks, else released."""
-        if seq_id not in self._holders:
+        holder = self._holders.get(seq_id)
+        if holder is None:
             self.executor.release(seq_id)
             return
+        if hasattr(self.executor, "save_prefix"):
+            holder.saved = self.executor.save_prefix(seq_id, len(holder.hashes) * self.splits.block)
+            self.executor.release(seq_id)
         self._kept[seq_id] = None
         while len(self._kept) > self.max_kept:
-            self._evict_oldest()
-
-    def clear(self) -> None:
-        """Release every kept sequence."""
-        while self._kept:
             self._evict_oldest()
 
     def _lookup(self, prompt: list[int]) -> tuple[int, int] | None:
@@ -125,16 +133,19 @@ class PrefixCache:
                 self.executor.add_sequence(seq_id)
                 return
             except CapacityError:
-                if not self._kept:
+                if not any(self._holders[s].saved is None for s in self._kept):
                     raise
-                self._evict_oldest()
+                self._evict_oldest(live=True)
 
-    def _evict_oldest(self) -> None:
-        seq_id, _ = self._kept.popitem(last=False)
+    def _evict_oldest(self, live: bool = False) -> None:
+        """Forget the least recently used kept holder (``live``: of those the executor holds)."""
+        seq_id = next(s for s in self._kept if not live or self._holders[s].saved is None)
+        del self._kept[seq_id]
         holder = self._holders.pop(seq_id)
         for h in holder.hashes:
             holders = self._by_hash[h]
             del holders[seq_id]
             if not holders:
                 del self._by_hash[h]
-        self.executor.release(seq_id)
+        if holder.saved is None:
+            self.executor.release(seq_id)

@@ -3,9 +3,11 @@
 # on the default ggml engine in its default mode, 16 distinct prompts x 64 tokens (greedy,
 # --ignore-eos) at concurrency 1, 4 and 16, with the prefix cache (the default, 8 prompts kept)
 # and without it (--prefix-cache-seqs 0), alternated (on, off, off, on) in one run so that drift
-# of the machine falls on both. llama.cpp keeps one cache for every sequence, and every forward
-# attends over all its cells (masked), the kept prompts' included. Each server gets 30 s after it
-# answers /health before it is measured. Run on a quiet machine:
+# of the machine falls on both. llama.cpp keeps one cache for every sequence and every forward
+# attends over all its cells (masked), so the prefix cache copies a finished prompt's cells to host
+# memory and lays them back only when a later prompt starts with it; this measures what is left of
+# the cost. Each server gets 30 s after it answers /health before it is measured. Run on a quiet
+# machine:
 #   bash docs/bench/prefix-cache-decode-cost/run.sh        (about 8 minutes)
 set -euo pipefail
 cd "$(dirname "$0")/../../.."

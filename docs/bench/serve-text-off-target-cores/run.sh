@@ -7,9 +7,9 @@
 #   bash docs/bench/serve-text-off-target-cores/run.sh [OLD_COMMIT [RESULTS [SERVE_OPTION...]]]
 # (default: af005ee, text-move-only, --prefix-cache-seqs 0 --prefill-chunk 0). The old commit
 # runs from a git worktree with this checkout's virtualenv; the current tree runs with the serve
-# options given. By default they turn off what the old commit lacks: the prefix cache (on ggml the
-# prompts it keeps slow every forward, docs/bench/prefix-cache-decode-cost/) and chunked prefill
-# (it trades inter-token latency for time to first token), so only the move of the text work
+# options given. By default they turn off what the old commit lacks: the prefix cache (it finds
+# the chat template's prefix again, docs/bench/prefix-cache-decode-cost/) and chunked prefill (it
+# trades inter-token latency for time to first token), so only the move of the text work
 # differs. Writes before-1, after-1, after-2, before-2 and compare.md into RESULTS beside itself;
 # run on a quiet machine.
 set -euo pipefail

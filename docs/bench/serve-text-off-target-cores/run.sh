@@ -11,7 +11,9 @@
 # the chat template's prefix again, docs/bench/prefix-cache-decode-cost/) and chunked prefill (it
 # trades inter-token latency for time to first token), so only the move of the text work
 # differs. Writes before-1, after-1, after-2, before-2 and compare.md into RESULTS beside itself;
-# run on a quiet machine.
+# run on a quiet machine. Environment: CONCURRENCY (default 1,2,4,8,16) and BLOCKS (default 1):
+# BLOCKS=n runs the old-new-new-old block n times (before-1, after-1, after-2, before-2,
+# before-3, after-3, ...), for levels whose run-to-run spread is wider than the difference.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 root=$PWD
@@ -38,11 +40,16 @@ run() {  # label, source tree, extra serve options
   until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do kill -0 "$pid"; sleep 1; done
   sleep 30
   .venv/bin/trtssd bench serve --ignore-eos --label "$label" --out "$here/$label" \
-    --base-url "http://127.0.0.1:$PORT" --concurrency 1,2,4,8,16 --num-prompts 16 --max-tokens 64
+    --base-url "http://127.0.0.1:$PORT" --concurrency "${CONCURRENCY:-1,2,4,8,16}" --num-prompts 16 --max-tokens 64
   stop
 }
-run before-1 "$worktree"
-run after-1 "$root" "${after_options[@]}"
-run after-2 "$root" "${after_options[@]}"
-run before-2 "$worktree"
-.venv/bin/trtssd bench serve --compare "$here/before-1" "$here/after-1" "$here/after-2" "$here/before-2" --out "$here"
+runs=()
+for block in $(seq "${BLOCKS:-1}"); do
+  first=$((2 * block - 1)) second=$((2 * block))
+  run "before-$first" "$worktree"
+  run "after-$first" "$root" "${after_options[@]}"
+  run "after-$second" "$root" "${after_options[@]}"
+  run "before-$second" "$worktree"
+  runs+=("$here/before-$first" "$here/after-$first" "$here/after-$second" "$here/before-$second")
+done
+.venv/bin/trtssd bench serve --compare "${runs[@]}" --out "$here"

@@ -13,7 +13,8 @@
 # differs. Writes before-1, after-1, after-2, before-2 and compare.md into RESULTS beside itself;
 # run on a quiet machine. Environment: CONCURRENCY (default 1,2,4,8,16) and BLOCKS (default 1):
 # BLOCKS=n runs the old-new-new-old block n times (before-1, after-1, after-2, before-2,
-# before-3, after-3, ...), for levels whose run-to-run spread is wider than the difference.
+# before-3, after-3, ...), for levels whose run-to-run spread is wider than the difference;
+# SERVE_OPTIONS (default none): serve options both trees get (e.g. --mode ar).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 root=$PWD
@@ -46,10 +47,10 @@ run() {  # label, source tree, extra serve options
 runs=()
 for block in $(seq "${BLOCKS:-1}"); do
   first=$((2 * block - 1)) second=$((2 * block))
-  run "before-$first" "$worktree"
-  run "after-$first" "$root" "${after_options[@]}"
-  run "after-$second" "$root" "${after_options[@]}"
-  run "before-$second" "$worktree"
+  run "before-$first" "$worktree" ${SERVE_OPTIONS:-}
+  run "after-$first" "$root" ${SERVE_OPTIONS:-} "${after_options[@]}"
+  run "after-$second" "$root" ${SERVE_OPTIONS:-} "${after_options[@]}"
+  run "before-$second" "$worktree" ${SERVE_OPTIONS:-}
   runs+=("$here/before-$first" "$here/after-$first" "$here/after-$second" "$here/before-$second")
 done
 .venv/bin/trtssd bench serve --compare "${runs[@]}" --out "$here"

@@ -327,7 +327,7 @@ def test_chunked_prefill_interleaves_a_long_prompt_with_running_rounds(tiny_llm)
         loop = llm.loop
         runner = loop.new_sequence(_prompt(10, 1, vocab=VOCAB), params)
         loop.add(runner)
-        while not runner.output:
+        while len(runner.output) < 2:  # its first token, then its first round
             loop.step()
         long = loop.new_sequence(_prompt(200, 2, vocab=VOCAB), dataclasses.replace(params, max_tokens=2))
         loop.add(long)
@@ -340,3 +340,31 @@ def test_chunked_prefill_interleaves_a_long_prompt_with_running_rounds(tiny_llm)
             loop.step()
     assert steps == 7  # 200 tokens in pieces of 32
     assert tokens_meanwhile == 6  # a round between pieces; the last piece's step emits the first token
+
+
+@pytest.mark.parametrize("mode", ["ar", "ssd"])
+def test_a_burst_of_short_prompts_leaves_a_round_between_the_steps_that_complete_them(tiny_llm, mode):
+    """Prompts arriving together whose prefill completes one after another, step after step (each
+    step emits first tokens instead of a round): the running stream still gets a round after each
+    such step, not only once every prompt is in."""
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    with tiny_llm(mode=mode, max_batch=6, prefill_chunk=32, prefix_cache_seqs=0, plain_under_load=False) as llm:
+        loop = llm.loop
+        runner = loop.new_sequence(_prompt(10, 1, vocab=VOCAB), params)
+        loop.add(runner)
+        while len(runner.output) < 2:
+            loop.step()
+        burst = [loop.new_sequence(_prompt(30, 10 + i, vocab=VOCAB), dataclasses.replace(params, max_tokens=8))
+                 for i in range(5)]
+        for seq in burst:
+            loop.add(seq)
+        runner_tokens, first_token_steps = [], 0
+        while not all(seq.output for seq in burst):
+            before, started = len(runner.output), sum(bool(seq.output) for seq in burst)
+            loop.step()
+            runner_tokens.append(len(runner.output) - before)
+            first_token_steps += sum(bool(seq.output) for seq in burst) > started
+    # 30-token prompts in a 32-token budget complete about one per step.
+    assert first_token_steps >= 4
+    # Never two steps in a row without a token for the running stream.
+    assert all(a or b for a, b in zip(runner_tokens, runner_tokens[1:])), runner_tokens

@@ -212,6 +212,7 @@ class TargetLoop:
         self._draft_busy_until = 0.0  # when the draft ends the pre-speculation it began after its last reply
         self._prefill_token_s = 0.0  # the target's last prefill, seconds per token (what the draft's costs at most)
         self._last_prespec_s = 0.0
+        self._round_owed = False  # the last step emitted first tokens instead of a round
 
     def _speculation_ceiling(self):
         """What speculation can give at most (round_choice.speculation_ceiling), from the draft's
@@ -292,13 +293,17 @@ class TargetLoop:
     def step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
         self._admit()
-        if self.prefilling:
+        if self.prefilling and not self._round_owed:
             self._prefill(outputs)
             if outputs:
                 # New requests' first tokens go out now: holding them for a whole speculative round
-                # would add that round to their time to first token. Rounds resume next step.
+                # would add that round to their time to first token. The round comes next step,
+                # before any more prefill: prompts completing step after step (a burst of arrivals)
+                # would otherwise hold every running stream for all of them.
                 self._retire()
+                self._round_owed = bool(self.running)
                 return outputs
+        self._round_owed = False
         if self.running:
             if self.speculating and self._speculate_now():
                 if self._draft_catches_up():

@@ -10,7 +10,8 @@
 # options given. By default they turn off what the old commit lacks: the prefix cache (it finds
 # the chat template's prefix again, docs/bench/prefix-cache-decode-cost/) and chunked prefill (it
 # trades inter-token latency for time to first token), so only the move of the text work
-# differs. Writes before-1, after-1, after-2, before-2 and compare.md into RESULTS beside itself;
+# differs. Writes before-1, after-1, after-2, before-2 and compare.md into RESULTS (a bare name:
+# beside itself; a path: from the repository's root);
 # run on a quiet machine. Environment: CONCURRENCY (default 1,2,4,8,16) and BLOCKS (default 1):
 # BLOCKS=n runs the old-new-new-old block n times (before-1, after-1, after-2, before-2,
 # before-3, after-3, ...), for levels whose run-to-run spread is wider than the difference;
@@ -19,7 +20,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 root=$PWD
 old=${1:-af005ee}
-here=docs/bench/serve-text-off-target-cores/${2:-text-move-only}
+here=${2:-text-move-only}
+[[ $here == */* ]] || here=docs/bench/serve-text-off-target-cores/$here  # a bare name: beside this script
 after_options=("${@:3}")
 [[ $# -ge 3 ]] || after_options=(--prefix-cache-seqs 0 --prefill-chunk 0)
 mkdir -p "$here"

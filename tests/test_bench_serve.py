@@ -238,11 +238,13 @@ def test_summary_has_vllm_definitions():
     assert s["mean_ttft_ms"] == pytest.approx(200) and s["median_ttft_ms"] == pytest.approx(200)
     assert s["mean_itl_ms"] == pytest.approx(400 / 3, abs=1e-3)  # gaps 100, 200 (a) and 100 (b), pooled
     assert s["median_itl_ms"] == pytest.approx(100)
+    assert (s["max_itl_ms"], s["max_ttft_ms"], s["max_tpot_ms"]) == pytest.approx((200, 300, 150))
     assert s["mean_e2el_ms"] == pytest.approx(1300 / 3, abs=1e-3)
     assert s["std_ttft_ms"] == pytest.approx(float(np.std([100, 200, 300])), abs=1e-3)
     assert s["errors"] == {"HTTP 500: no": 1} and s["tokens_from_usage"] is True
     empty = summarize_run([failed], 1.0, (99.0,))
     assert empty["completed"] == 0 and empty["median_ttft_ms"] is None and empty["p99_itl_ms"] is None
+    assert empty["max_itl_ms"] is None
 
 
 def test_metrics_scrape_gives_acceptance_and_hit_rate():
@@ -399,6 +401,11 @@ def test_cli_runs_and_compares(tmp_path, capsys):
     assert rc == 0
     md = (tmp_path / "cmp" / "compare.md").read_text()
     assert "| load | ar | ssd | ssd / ar |" in md and (tmp_path / "cmp" / "compare.png").is_file()
+    assert "ITL p50 | ITL p99 | ITL max |" in md
+    # The longest gap of each run, as each results.json recorded it.
+    for label in ("ar", "ssd"):
+        c2 = json.loads((tmp_path / label / "results.json").read_text())["runs"][1]
+        assert f"| c=2 | {label} |" in md and f" {c2['summary']['max_itl_ms']:.1f} |" in md
     merged = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     for ar, ssd in zip(merged["runs"]["ar"], merged["runs"]["ssd"]):
         assert ssd["summary"]["output_throughput"] / ar["summary"]["output_throughput"] == pytest.approx(2.0, rel=0.2)

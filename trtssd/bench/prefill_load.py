@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from trtssd.bench.records import percentile
 from trtssd.bench.report import machine_info
 from trtssd.bench.serve import SSEDecoder, loadavg
 
@@ -125,12 +126,12 @@ async def run_arrivals(client, model: str, concurrency: int, duration_s: float, 
 
 
 def _stats(values: list[float]) -> dict:
+    """Milliseconds; p99 as `trtssd bench serve` computes it, max for the longest stall."""
     if not values:
         return {"n": 0}
-    ordered = sorted(values)
     return {"n": len(values), "mean_ms": round(1000 * statistics.fmean(values), 1),
-            "p50_ms": round(1000 * statistics.median(values), 1),
-            "p99_ms": round(1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 1)}
+            "p50_ms": round(1000 * percentile(values, 50), 1), "p99_ms": round(1000 * percentile(values, 99), 1),
+            "max_ms": round(1000 * max(values), 1)}
 
 
 def summarize(timings: list[Timing]) -> dict:
@@ -146,14 +147,14 @@ def render(result: dict) -> str:
     lines = [f"# {result['label']}: {result['scenario']}", "", f"`{result['command']}`", "",
              f"load average at start / end: {result['loadavg_start']} / {result['loadavg_end']}; "
              f"{result['wall_s']:.0f} s", "",
-             "| requests | n | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | tokens/s |",
-             "|---|---|---|---|---|---|---|"]
+             "| requests | n | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | ITL max ms | tokens/s |",
+             "|---|---|---|---|---|---|---|---|"]
     summary = result["summary"]
     for kind, ttft in summary["ttft_by_kind"].items():
         itl = summary["itl_by_kind"][kind]
         rate = summary["tokens_by_kind"][kind] / result["wall_s"]
         lines.append(f"| {kind} | {ttft['n']} | {ttft.get('p50_ms')} | {ttft.get('p99_ms')} | "
-                     f"{itl.get('p50_ms')} | {itl.get('p99_ms')} | {rate:.1f} |")
+                     f"{itl.get('p50_ms')} | {itl.get('p99_ms')} | {itl.get('max_ms', '-')} | {rate:.1f} |")
     if summary["errors"]:
         lines += ["", f"errors: {summary['errors'][:5]}"]
     return "\n".join(lines) + "\n"

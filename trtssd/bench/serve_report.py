@@ -28,10 +28,10 @@ def _spec(run: dict, key: str):
     return (run.get("spec") or {}).get(key)
 
 
-def _percentile_keys(report: dict) -> list[str]:
-    """'median' plus 'p99' etc., the columns each latency gets besides the mean."""
+def _stat_keys(report: dict) -> list[str]:
+    """'median' plus 'p99' etc. and 'max', the columns each latency gets besides the mean."""
     qs = report.get("config", {}).get("percentiles") or [99]
-    return ["median"] + [f"p{int(q) if float(q).is_integer() else q}" for q in qs]
+    return ["median"] + [f"p{int(q) if float(q).is_integer() else q}" for q in qs] + ["max"]
 
 
 # --- one report ----------------------------------------------------------------------------------
@@ -61,10 +61,11 @@ def render_markdown(report: dict) -> str:
                      f"{_fmt(s['request_throughput'], 2)} | {_fmt(s['output_throughput'])} | "
                      f"{_fmt(s['total_token_throughput'])} | {_fmt(_spec(run, 'mean_acceptance_length'), 2)} | "
                      f"{_fmt(_spec(run, 'acceptance_rate'), 2)} | {_fmt(_spec(run, 'cache_hit_rate'), 2)} |")
-    stats = ["mean"] + _percentile_keys(report)
+    stats = ["mean"] + _stat_keys(report)
     head = [f"{short} {'p50' if st == 'median' else st}" for _, short in LATENCIES for st in stats]
     lines += ["", "## Latency (ms)", "", "TTFT: to the first token; TPOT: (E2E - TTFT) / (output tokens - 1); "
-              "ITL: between streamed chunks (a chunk may hold several tokens); E2E: to `data: [DONE]`.", "",
+              "ITL: between streamed chunks (a chunk may hold several tokens); E2E: to `data: [DONE]`; max: the "
+              "longest of the run (results written before max was reported show -).", "",
               "| load | " + " | ".join(head) + " |", "|---|" + "---:|" * len(head)]
     for run in report["runs"]:
         s = run["summary"]
@@ -191,7 +192,8 @@ def render_comparison(reports: Sequence[dict]) -> str:
         tput = [_tput(by.get((lab, name))) for lab in labels]
         ratios = [_fmt(t / tput[0], 2) + "x" if t is not None and tput[0] else "-" for t in tput[1:]]
         lines.append(f"| {name} | " + " | ".join([_fmt(t) for t in tput] + ratios) + " |")
-    head = [f"{short} {st}" for _, short in LATENCIES for st in ("p50", "p99")]
+    compared = ("median", "p99", "max")
+    head = [f"{short} {'p50' if st == 'median' else st}" for _, short in LATENCIES for st in compared]
     lines += ["", "## Latency (ms) and speculation", "",
               "| load | server | completed | failed | " + " | ".join(head) + " | accept len | cache hit rate |",
               "|---|---|---:|---:|" + "---:|" * (len(head) + 2)]
@@ -201,7 +203,7 @@ def render_comparison(reports: Sequence[dict]) -> str:
             if run is None:
                 continue
             s = run["summary"]
-            cells = [_fmt(s.get(f"{st}_{key}_ms")) for key, _ in LATENCIES for st in ("median", "p99")]
+            cells = [_fmt(s.get(f"{st}_{key}_ms")) for key, _ in LATENCIES for st in compared]
             lines.append(f"| {name} | {lab} | {s['completed']} | {s['failed']} | " + " | ".join(cells)
                          + f" | {_fmt(_spec(run, 'mean_acceptance_length'), 2)} | "
                          f"{_fmt(_spec(run, 'cache_hit_rate'), 2)} |")

@@ -162,6 +162,24 @@ def test_a_short_sequence_after_others_left_is_compacted_instead_of_padded(smoll
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
 
 
+def test_a_full_cache_copies_at_most_two_cells_per_cell_its_compactions_free(tiny_gguf):
+    """A sequence near max_seq_len whose rounds are all rejected (8 cells to the trash each): the
+    cache has room for trash of half its sequences' cells, so a compaction, which copies every
+    live cell, comes at most once per half as many trashed cells as it copies."""
+    ex = GgmlExecutor(tiny_gguf, max_seqs=1, max_seq_len=4096, threads=1)
+    ex.add_sequence(0)
+    live = 4080
+    ex.forward([chain_chunk(0, [(i * 7) % 500 + 5 for i in range(live)], 0, last_logits_only=True)])
+    ex.commit(0, live)
+    rounds = 600
+    for r in range(rounds):  # never committed: the next round's forward trashes this one's cells
+        ex.forward([chain_chunk(0, [(r + j) % 500 + 5 for j in range(8)], live)])
+    freed = 8 * (rounds - 1)
+    compactions = ex._compactions
+    ex.close()
+    assert 1 <= compactions and compactions * live <= 2 * freed
+
+
 def test_long_chains_are_cut_and_aligned_the_same_way(smollm2_gguf):
     """A prompt of 600 tokens (cut at 512) prefilled on a fresh cache and after 45 cells of
     another sequence: the same first logits row, bit for bit."""

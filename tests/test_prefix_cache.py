@@ -281,6 +281,12 @@ def _outputs(llm: LLM, params: SamplingParams) -> tuple[list[list[int]], list[in
             [o.speculation.draft_cached_tokens for o in outs])
 
 
+def _executor_sequences(llm: LLM) -> tuple[int, ...]:
+    """How many sequences the target's executor (and the local draft's, if any) can hold."""
+    draft = llm.loop.draft
+    return (llm.loop.target.max_seqs,) + ((draft.server.worker.executor.max_seqs,) if draft is not None else ())
+
+
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
 def test_torch_outputs_with_prefix_cache_and_chunks_equal_outputs_without(tiny_llm, mode):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -289,6 +295,8 @@ def test_torch_outputs_with_prefix_cache_and_chunks_equal_outputs_without(tiny_l
     assert cached == [0] * 5
     with tiny_llm(mode=mode, prefix_cache_seqs=2, prefill_chunk=48, k=3, plain_under_load=False) as llm:
         got, cached, draft_cached = _outputs(llm, params)
+        # torch keeps the kept prompts as sequences: room for them beside the running batch (8).
+        assert _executor_sequences(llm) == ((10, 10) if mode != "ar" else (10,))
     assert got == expected
     # The second and third share the first's 150 tokens in 16-token blocks. The first's own
     # blocks were evicted by then (two kept): its repeat finds the shared part in the third's.
@@ -312,6 +320,8 @@ def test_ggml_outputs_with_prefix_cache_and_chunks_equal_outputs_without(tmp_pat
         expected, _, _ = _outputs(llm, params)
     with LLM(**options, prefix_cache_seqs=2, prefill_chunk=64) as llm:
         got, cached, draft_cached = _outputs(llm, params)
+        # llama.cpp's kept prompts wait in host memory: each cache is sized for the running batch.
+        assert _executor_sequences(llm) == ((2, 2) if mode != "ar" else (2,))
     assert got == expected
     # The target reuses 64-token tiles leaving at least 64 tokens (or a 512 cut) to prefill.
     assert cached == [0, 64, 128, 0, 64]

@@ -220,11 +220,6 @@ class RuntimeConfig:
                 object.__setattr__(self, name, tuple(int(c) for c in v))
 
     @property
-    def kv_sequences(self) -> int:
-        """Sequences each rank's executor holds: the running batch and the prompts kept for reuse."""
-        return self.max_batch + self.prefix_cache_seqs
-
-    @property
     def resolved_transport(self) -> Transport:
         """The transport in use: "auto" made concrete (CUDA IPC exactly when the draft is on CUDA)."""
         if self.transport is not Transport.AUTO:

@@ -159,7 +159,8 @@ class GgmlExecutor:
     def __init__(self, path: str | Path, *, max_seqs: int = 4, max_seq_len: int = 2048,
                  max_batch_tokens: int | None = None, threads: int | None = None, row_invariant: bool = True):
         """path: a GGUF file. max_seqs: concurrent sequences. max_seq_len: slots per sequence
-        (prompt + output + region); the cache holds max_seqs x max_seq_len cells. max_batch_tokens:
+        (prompt + output + region); the cache holds max_seqs x max_seq_len cells (row_invariant:
+        and half as many again for trashed cells). max_batch_tokens:
         most tokens in one forward (default max_seq_len). threads: llama.cpp threads (default:
         torch's thread count, which the rank's pinning sets). row_invariant: keep a row's logits
         independent of its batch and of the cache's history (the module docstring says how)."""
@@ -188,10 +189,14 @@ class GgmlExecutor:
         if max_seq_len > trained:
             log.warning("max_seq_len %d exceeds the model's trained context %d", max_seq_len, trained)
         cparams = L.llama_context_default_params()
+        cells = max_seqs * max_seq_len
+        if row_invariant:
+            # Room for the trash besides max_seqs full sequences, and for the filler and alignment
+            # tokens. A compaction copies every live cell: with trash room of half the sequences'
+            # cells, one over a full cache copies at most two cells per cell it frees.
+            cells += cells // 2 + _COMPACT_AFTER + _UBATCH + _TILE
         # At least _MIN_CELLS: llama.cpp 0.3.36 crashed making a context of 256 cells with 256 sequence ids.
-        # Room for the trash and the filler besides max_seqs full sequences.
-        cparams.n_ctx = max(max_seqs * max_seq_len + (_COMPACT_AFTER + _UBATCH + _TILE if row_invariant else 0),
-                            _MIN_CELLS)
+        cparams.n_ctx = max(cells, _MIN_CELLS)
         # llama.cpp 0.3.36 crashed making contexts whose micro-batch was smaller than its sequence ids.
         cparams.n_batch = max(max_batch_tokens, _UBATCH)
         cparams.n_ubatch = _UBATCH

@@ -27,21 +27,23 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def load_executor(ref: ModelRef, max_seqs: int, max_seq_len: int, max_batch_tokens: int | None = None,
-                  device: str = "cpu", device_field: str = "device",
-                  row_invariant: bool = True) -> TorchExecutor | GgmlExecutor:
-    """max_batch_tokens: most tokens in one forward (a prefill, or a batch's verify/glue/tree).
-    device: "cpu", "cuda" or "cuda:N" (weights, KV pool and forwards there); ``device_field``
-    names the option it came from in errors (e.g. "draft_device"). row_invariant: for a ggml
-    model, keep each row's logits independent of its batch (the target; the draft need not, see
-    trtssd/backends/ggml_backend.py)."""
+                  device: str = "cpu", device_field: str = "device", row_invariant: bool = True,
+                  kept_prompts: int = 0) -> TorchExecutor | GgmlExecutor:
+    """max_seqs: sequences running at once. max_batch_tokens: most tokens in one forward (a
+    prefill, or a batch's verify/glue/tree). device: "cpu", "cuda" or "cuda:N" (weights, KV pool
+    and forwards there); ``device_field`` names the option it came from in errors (e.g.
+    "draft_device"). row_invariant: for a ggml model, keep each row's logits independent of its
+    batch (the target; the draft need not, see trtssd/backends/ggml_backend.py). kept_prompts:
+    finished prompts the prefix cache keeps (see `load_side`)."""
     dev = resolve_device(device, device_field)
     if ref.backend == "ggml":
         return _ggml_executor(ref.path, dev, device_field, max_seqs=max_seqs, max_seq_len=max_seq_len,
                               max_batch_tokens=max_batch_tokens, row_invariant=row_invariant)
     if is_engine_dir(ref.path):
         return load_side(ref.path, ref.side, max_seqs=max_seqs, max_seq_len=max_seq_len,
-                         max_batch_tokens=max_batch_tokens, device=dev, row_invariant=row_invariant)
-    return TorchExecutor.from_pretrained(ref.path, dtype=_DTYPES[ref.dtype], max_seqs=max_seqs,
+                         max_batch_tokens=max_batch_tokens, device=dev, row_invariant=row_invariant,
+                         kept_prompts=kept_prompts)
+    return TorchExecutor.from_pretrained(ref.path, dtype=_DTYPES[ref.dtype], max_seqs=max_seqs + kept_prompts,
                                          max_seq_len=max_seq_len, max_batch_tokens=max_batch_tokens, device=dev)
 
 
@@ -50,13 +52,18 @@ def load_executor(ref: ModelRef, max_seqs: int, max_seq_len: int, max_batch_toke
 
 def load_side(engine_dir: str | os.PathLike, side: str, *, max_seqs: int = 4, max_seq_len: int = 2048,
               fused: bool = True, device: str | torch.device = "cpu", row_invariant: bool = True,
-              **executor_options) -> TorchExecutor | GgmlExecutor:
+              kept_prompts: int = 0, **executor_options) -> TorchExecutor | GgmlExecutor:
     """One side's executor, as the engine's manifest says it runs: "ggml" (the GGUF file on
     llama.cpp, CPU only), "torch" (the model's own
     weights in the recorded dtype; the target always), "torch-int4" (the int4 self-draft, with
     the compiled few-row layers unless ``fused`` is False; on CUDA its 4-bit groups dequantized,
     see ``load_draft_model``) or "torch-int8" (either side: int8 projections, the entry's
-    activation levels). ``device``: where weights, KV pool and forwards live."""
+    activation levels). ``device``: where weights, KV pool and forwards live.
+
+    ``max_seqs`` sequences run at once; ``kept_prompts`` finished prompts are kept for the
+    prefix cache besides them. A torch executor keeps those as sequences of its own, so its pool
+    holds both; llama.cpp's are copied to host memory (`GgmlExecutor.save_prefix`), so its cache
+    is sized for the running ones alone."""
     device = resolve_device(device, "device")
     engine_dir = Path(engine_dir)
     manifest = load_manifest(engine_dir)
@@ -66,6 +73,7 @@ def load_side(engine_dir: str | os.PathLike, side: str, *, max_seqs: int = 4, ma
     if entry["backend"] == "ggml":
         return _ggml_executor(engine_dir / entry["path"], device, "device", max_seqs=max_seqs,
                               max_seq_len=max_seq_len, row_invariant=row_invariant, **executor_options)
+    max_seqs += kept_prompts
     if entry["backend"] == "torch":
         return TorchExecutor.from_pretrained(
             engine_dir / entry["path"], dtype=_DTYPES[entry.get("dtype", "float32")],

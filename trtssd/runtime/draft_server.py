@@ -22,9 +22,10 @@ CALIBRATION_MAX_ROWS = 64  # the widest draft forward timed at start-up (costs b
 
 def load_worker(draft_model: ModelRef, spec: SpeculativeConfig, runtime: RuntimeConfig, max_seq_len: int) -> DraftWorker:
     """The draft model and its worker, calibrated for the auto fan-out."""
-    executor = load_executor(draft_model, max_seqs=runtime.kv_sequences, max_seq_len=max_seq_len,
+    executor = load_executor(draft_model, max_seqs=runtime.max_batch, max_seq_len=max_seq_len,
                              max_batch_tokens=batch_tokens(spec, runtime), device=runtime.draft_device,
-                             device_field="draft_device", row_invariant=False)
+                             device_field="draft_device", row_invariant=False,
+                             kept_prompts=runtime.prefix_cache_seqs)
     worker = DraftWorker(executor, spec, runtime.prefix_cache_seqs)
     if spec.mode is Mode.SSD and spec.fixed_fanout is None:
         # No wider than this configuration's widest tree or glue: the widest sizes cost the most

@@ -40,10 +40,11 @@ def start_target(target: ModelRef, spec: SpeculativeConfig, runtime: RuntimeConf
     followers this starts (T > 1; `close_target` ends them)."""
     if launch not in LAUNCHES:
         raise ValueError(f"launch must be one of {LAUNCHES}; got {launch!r}")
-    options = dict(max_seqs=runtime.kv_sequences, max_seq_len=target_seq_len(spec, runtime),
+    options = dict(max_seqs=runtime.max_batch, max_seq_len=target_seq_len(spec, runtime),
                    max_batch_tokens=batch_tokens(spec, runtime))
     if runtime.tensor_parallel_size == 1:
-        return load_executor(target, device=runtime.target_device, device_field="target_device", **options)
+        return load_executor(target, device=runtime.target_device, device_field="target_device",
+                             kept_prompts=runtime.prefix_cache_seqs, **options)
     if runtime.target_backend is TargetBackend.TRTLLM:
         # TensorRT-LLM runs its engine's T ranks itself (trtssd/trtllm/executor_target.py: the
         # executor's orchestrator or leader mode); the torch target kept for prefill and the request
@@ -60,11 +61,13 @@ def start_target(target: ModelRef, spec: SpeculativeConfig, runtime: RuntimeConf
             raise ValueError(f"launch 'world' cannot run a TensorRT-LLM engine of tensor_parallel_size="
                              f"{runtime.tensor_parallel_size}: use launch 'spawn' or 'local' (TensorRT-LLM's "
                              "orchestrator mode starts the engine's ranks; docs/tensorrt_llm.md, Tensor parallelism)")
-        return load_executor(target, device=runtime.target_device, device_field="target_device", **options)
+        return load_executor(target, device=runtime.target_device, device_field="target_device",
+                             kept_prompts=runtime.prefix_cache_seqs, **options)
     if runtime.target_backend is not TargetBackend.TORCH:
         raise ValueError(f"tensor_parallel_size must be 1 with target_backend {runtime.target_backend.value!r} (only "
                          f"the torch and trtllm targets are split); got {runtime.tensor_parallel_size}")
     targets = world_groups(runtime.tensor_parallel_size).targets if launch == "world" else None
+    options["max_seqs"] += runtime.prefix_cache_seqs  # torch keeps kept prompts as sequences (load_side)
     return start_tensor_parallel_target(target, runtime, targets=targets, **options)
 
 

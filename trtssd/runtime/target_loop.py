@@ -178,9 +178,9 @@ class TargetLoop:
                  eos_token_ids: tuple[int, ...] = (), draft: DraftClient | None = None,
                  verifier: Verifier | None = None, lending: CoreLending | None = None,
                  prefix_cache_seqs: int = 0, prefill_chunk: int = 0):
-        """prefix_cache_seqs: finished sequences whose prompt KV is kept for reuse (the executor
-        must hold max_batch + that many sequences). prefill_chunk: most prompt tokens prefilled
-        per step (0: whole prompts)."""
+        """prefix_cache_seqs: finished sequences whose prompt KV is kept for reuse (an executor
+        that keeps them as sequences must hold max_batch + that many; llama.cpp's go to host
+        memory). prefill_chunk: most prompt tokens prefilled per step (0: whole prompts)."""
         if spec.mode is not Mode.AR and draft is None:
             raise ValueError(f"mode {spec.mode.value!r} needs a draft rank")
         self.target = target

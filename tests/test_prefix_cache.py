@@ -156,7 +156,7 @@ class _Rows:
         self.shares.append((src, dst, n))
 
 
-def test_longest_cached_prefix_is_shared_and_counted():
+def test_longest_cached_prefix_is_shared():
     rows = _Rows(8)
     cache = PrefixCache(rows, max_kept=4)
     a, b = _prompt(100, 1), _prompt(100, 2)
@@ -167,7 +167,6 @@ def test_longest_cached_prefix_is_shared_and_counted():
     assert cache.start(2, a[:70] + b) == 64  # whole 16-token blocks only
     assert cache.start(3, a) == 96  # never the whole prompt: its last logits must be computed
     assert rows.shares == [(0, 2, 64), (0, 3, 96)]
-    assert (cache.queried_tokens, cache.hit_tokens) == (100 + 100 + 170 + 100, 64 + 96)
     cache.index(1, b)  # a running sequence holds its blocks too
     assert cache.start(4, b + [7]) == 96 and rows.shares[-1][0] == 1
     assert cache.start(5, a, reuse=False) == 0  # a request that wants every prompt row's logits

@@ -58,20 +58,6 @@ def find_llama_server() -> Path | None:
     return Path(on_path) if on_path else None
 
 
-def build_llama_server(timeout_s: float = 3600) -> Path:
-    """Run scripts/setup_llamacpp.sh (a no-op once built) and return llama-server's path."""
-    if not SETUP_SCRIPT.is_file():
-        raise LlamaServerError(f"{SETUP_SCRIPT} is not there (not a source checkout): build llama-server yourself "
-                               "and set TRTSSD_LLAMA_SERVER")
-    proc = subprocess.run(["bash", str(SETUP_SCRIPT)], capture_output=True, text=True, timeout=timeout_s)
-    if proc.returncode != 0:
-        raise LlamaServerError(f"{SETUP_SCRIPT} failed:\n{proc.stderr.strip()[-3000:]}")
-    server = Path(proc.stdout.strip().splitlines()[-1]) / "llama-server"
-    if not server.is_file():
-        raise LlamaServerError(f"{SETUP_SCRIPT} succeeded but {server} is not there")
-    return server
-
-
 @dataclass(frozen=True)
 class ServerOptions:
     """How one llama-server runs. Flag names are those of the llama.cpp in LLAMACPP_VERSION."""

@@ -60,8 +60,6 @@ class PrefixCache:
         self._holders: dict[int, _Holder] = {}  # seq_id -> its indexed prompt (running or kept)
         self._by_hash: dict[int, dict[int, None]] = {}  # block hash -> holders (insertion-ordered)
         self._kept: OrderedDict[int, None] = OrderedDict()  # finished holders, least recently used first
-        self.queried_tokens = 0  # prompt tokens looked up
-        self.hit_tokens = 0  # prompt tokens found
 
     @property
     def enabled(self) -> bool:
@@ -73,8 +71,6 @@ class PrefixCache:
         wants every prompt row's logits)."""
         found = self._lookup(prompt) if reuse and self.enabled else None
         self._add(seq_id)
-        if self.enabled:
-            self.queried_tokens += len(prompt)
         if found is None:
             return 0
         holder, n = found
@@ -85,7 +81,6 @@ class PrefixCache:
             self.executor.load_prefix(seq_id, saved, n)
         if holder in self._kept:
             self._kept.move_to_end(holder)
-        self.hit_tokens += n
         return n
 
     def index(self, seq_id: int, prompt: list[int]) -> None:

@@ -65,7 +65,7 @@ def render_markdown(report: dict) -> str:
     head = [f"{short} {'p50' if st == 'median' else st}" for _, short in LATENCIES for st in stats]
     lines += ["", "## Latency (ms)", "", "TTFT: to the first token; TPOT: (E2E - TTFT) / (output tokens - 1); "
               "ITL: between streamed chunks (a chunk may hold several tokens); E2E: to `data: [DONE]`; max: the "
-              "longest of the run (results written before max was reported show -).", "",
+              "longest of the run (- where a results file has none).", "",
               "| load | " + " | ".join(head) + " |", "|---|" + "---:|" * len(head)]
     for run in report["runs"]:
         s = run["summary"]

@@ -1,117 +1,161 @@
 #!/usr/bin/env bash
-# llama.cpp next to trtssd: builds llama.cpp's own executables (llama-server, llama-bench,
-# llama-speculative) and makes sure llama-cpp-python is installed in .venv.
+# llama.cpp for trtssd, compiled once per machine.
 #
-# Both come from one PyPI package, the llama-cpp-python sdist: its vendored llama.cpp tree is the
-# source of the executables, so `trtssd bench`'s llama.cpp rows and trtssd's ggml backend run the
-# same ggml. PyPI has no binary wheel of either, hence the builds; both are cached per machine
-# (~/.cache/trtssd) and keyed by version, so a second run only checks that the files are there.
+#   bash scripts/setup_llamacpp.sh          the llama.cpp shared libraries, and llama-cpp-python in .venv
+#                                           loading them (what trtssd's ggml executor needs)
+#   bash scripts/setup_llamacpp.sh tools    also llama.cpp's own llama-server and llama-bench, built from
+#                                           the same build tree (what the benchmarks' peer rows need)
 #
-# Usage: bash scripts/setup_llamacpp.sh        (prints the bin folder on its last line)
-# Environment: LLAMACPP_JOBS (default 2) build jobs; TRTSSD_CACHE (default ~/.cache/trtssd).
+# Both come from the llama-cpp-python sdist: its vendored llama.cpp is compiled once with CMake into
+# a build folder kept in the cache; llama-cpp-python is installed with its own compile switched off
+# (LLAMA_BUILD=OFF) and given those libraries, and the peer tools are later targets of the same
+# build, so trtssd and the peers run the same ggml and nothing is compiled twice.
+#
+# The cache folder is keyed by the version and this CPU's flags (GGML_NATIVE compiles for the CPU
+# it builds on). One builder at a time (flock); a finished part is marked by a stamp written only
+# after its files are in place, so a killed build is resumed, never taken for a finished one.
+#
+# Prints the folder of the executables on its last line ("tools"), or of the libraries.
+# Environment: LLAMACPP_JOBS (default: the number of cores) build jobs; TRTSSD_CACHE (default
+# ~/.cache/trtssd).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-VERSION=0.3.36                        # llama-cpp-python; its vendor/llama.cpp is what we build
+VERSION=0.3.36                        # llama-cpp-python; keep equal to trtssd/bench/llamacpp.py
 CACHE=${TRTSSD_CACHE:-$HOME/.cache/trtssd}
-PREFIX=$CACHE/llama.cpp/$VERSION
-BIN=$PREFIX/bin
-WHEELS=$CACHE/wheels
-JOBS=${LLAMACPP_JOBS:-2}
+JOBS=${LLAMACPP_JOBS:-$(nproc)}
 PY=.venv/bin/python
-TOOLS=(llama-server llama-bench llama-speculative)
+TOOLS=(llama-server llama-bench)
 
 say() { echo "setup_llamacpp: $*" >&2; }
 die() { say "ERROR: $*"; exit 1; }
 
+# Same rule as trtssd.bench.llamacpp.cpu_key: the sorted CPU flags, hashed.
+cpu_key() {
+  grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2 | tr ' ' '\n' | grep -v '^$' | LC_ALL=C sort \
+    | paste -sd' ' | tr -d '\n' | sha256sum | cut -c1-12
+}
+
+HOME_DIR=$CACHE/llama.cpp/$VERSION-$(uname -m)-$(cpu_key)
+SRC=$HOME_DIR/src
+OUT=$HOME_DIR/build
+LIB=$HOME_DIR/lib
+BIN=$HOME_DIR/bin
+
 [ -x "$PY" ] || die ".venv is missing: run scripts/setup.sh first"
 
-have_tools() {
-  local t
-  for t in "${TOOLS[@]}"; do [ -x "$BIN/$t" ] || return 1; done
+# Runs a command with its output in a log, printing what is built and the time so far.
+with_progress() {
+  local what=$1 log=$2; shift 2
+  local start pid
+  start=$(date +%s)
+  "$@" >"$log" 2>&1 &
+  pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 15
+    kill -0 "$pid" 2>/dev/null || break
+    say "$what: $(( $(date +%s) - start )) s so far, $(grep -o '^\[[ 0-9]*/[0-9]*\]' "$log" | tail -1)"
+  done
+  wait "$pid" || { tail -30 "$log" >&2; die "$what failed (log: $log)"; }
+  say "$what: done in $(( $(date +%s) - start )) s"
 }
 
-# find_spec instead of an import: importing llama_cpp loads the whole shared library.
-have_llama_cpp() {
-  "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llama_cpp') is None)"
-}
-
-# The sdist, downloaded once; pip downloads sources only with --no-binary.
-sdist() {
-  local src=$CACHE/src
-  local tgz=$src/llama_cpp_python-$VERSION.tar.gz
+sources() {
+  [ -f "$SRC/.complete" ] && return
+  local dl=$CACHE/src tgz
+  tgz=$dl/llama_cpp_python-$VERSION.tar.gz
   if [ ! -f "$tgz" ]; then
-    mkdir -p "$src"
+    mkdir -p "$dl"
     say "downloading the llama-cpp-python==$VERSION sdist"
-    "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$src" \
+    "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$dl" 2>/dev/null \
       || die "pip download of llama-cpp-python==$VERSION failed"
   fi
-  echo "$tgz"
+  rm -rf "$SRC" && mkdir -p "$SRC"
+  tar xzf "$tgz" -C "$SRC" --strip-components=1 || die "cannot unpack $tgz"
+  [ -f "$SRC/vendor/llama.cpp/CMakeLists.txt" ] || die "$tgz has no vendor/llama.cpp"
+  touch "$SRC/.complete"
 }
 
-build_tools() {
-  local tgz work tree t start
-  tgz=$(sdist)
-  work=$PREFIX/build
-  rm -rf "$work" && mkdir -p "$work"
-  tar xzf "$tgz" -C "$work" || die "cannot unpack $tgz"
-  tree=$work/llama_cpp_python-$VERSION/vendor/llama.cpp
-  [ -f "$tree/tools/server/CMakeLists.txt" ] || die "$tgz has no vendor/llama.cpp/tools/server"
+configure() {
+  [ -f "$OUT/.configured" ] && return
   command -v cmake >/dev/null || die "cmake not found (apt-get install cmake)"
   local gen=()
   command -v ninja >/dev/null && gen=(-G Ninja)
-  say "building ${TOOLS[*]} from $tree with $JOBS jobs (about 10 minutes on 2 cores)"
-  start=$(date +%s)
-  # Static libraries: the executables then need nothing from the build folder, which is removed.
-  # No UI assets (they would be downloaded), no CURL or OpenSSL (models are local files).
-  cmake -S "$tree" -B "$work/out" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-    -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
-    -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_TESTS=OFF >"$work/cmake.log" 2>&1 \
-    || { tail -30 "$work/cmake.log" >&2; die "cmake configure failed (log: $work/cmake.log)"; }
-  cmake --build "$work/out" --target "${TOOLS[@]}" -j "$JOBS" >"$work/build.log" 2>&1 \
-    || { tail -30 "$work/build.log" >&2; die "cmake build failed (log: $work/build.log)"; }
-  mkdir -p "$BIN"
-  for t in "${TOOLS[@]}"; do install -m 755 "$work/out/bin/$t" "$BIN/$t"; done
-  "$BIN/llama-server" --version >"$PREFIX/version.txt" 2>&1 || die "the built llama-server does not run"
-  say "built in $(( $(date +%s) - start )) s"
-  rm -rf "$work"
+  rm -rf "$OUT" && mkdir -p "$OUT"
+  # Shared libraries (llama-cpp-python loads them; the tools link them); no UI assets (they would
+  # be downloaded), no CURL or OpenSSL (models are local files).
+  cmake -S "$SRC/vendor/llama.cpp" -B "$OUT" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+    -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >"$HOME_DIR/cmake.log" 2>&1 \
+    || { tail -30 "$HOME_DIR/cmake.log" >&2; die "cmake configure failed (log: $HOME_DIR/cmake.log)"; }
+  touch "$OUT/.configured"
 }
 
-# Another process (a second setup, or a build started by hand) may be building the wheel already:
-# wait for it rather than compiling llama.cpp twice on the same cores.
-wait_for_other_wheel_build() {
-  while pgrep -f "pip wheel.*llama-cpp-python" >/dev/null; do
-    say "waiting for a llama-cpp-python wheel build already running"
-    sleep 10
-  done
+build_libraries() {
+  [ -f "$LIB/.complete" ] && return
+  sources
+  configure
+  with_progress "compiling llama.cpp's libraries (about 7 minutes on 2 cores)" "$HOME_DIR/build-lib.log" \
+    cmake --build "$OUT" --target llama -j "$JOBS"
+  rm -rf "$LIB.tmp" && mkdir -p "$LIB.tmp"
+  cp -P "$OUT"/bin/lib*.so* "$LIB.tmp"/
+  ls "$LIB.tmp"/libllama.so >/dev/null 2>&1 || die "the build made no libllama.so (log: $HOME_DIR/build-lib.log)"
+  rm -rf "$LIB" && mv "$LIB.tmp" "$LIB" && touch "$LIB/.complete"
 }
 
-install_wheel() {
-  local wheel
-  wait_for_other_wheel_build
-  wheel=$(ls "$WHEELS"/llama_cpp_python-"$VERSION"-*.whl 2>/dev/null | head -1 || true)
-  if [ -z "$wheel" ]; then
-    mkdir -p "$WHEELS"
-    say "building the llama-cpp-python==$VERSION wheel (about 5 minutes on 2 cores)"
-    CMAKE_BUILD_PARALLEL_LEVEL=$JOBS "$PY" -m pip wheel -q --no-deps "llama-cpp-python==$VERSION" -w "$WHEELS" \
-      || die "building the llama-cpp-python wheel failed"
-    wheel=$(ls "$WHEELS"/llama_cpp_python-"$VERSION"-*.whl | head -1)
+build_tools() {
+  [ -f "$BIN/.complete" ] && return
+  build_libraries
+  with_progress "compiling ${TOOLS[*]} from the same build" "$HOME_DIR/build-tools.log" \
+    cmake --build "$OUT" --target "${TOOLS[@]}" -j "$JOBS"
+  rm -rf "$BIN.tmp" && mkdir -p "$BIN.tmp"
+  local t
+  for t in "${TOOLS[@]}"; do install -m 755 "$OUT/bin/$t" "$BIN.tmp/$t"; done
+  "$BIN.tmp/llama-server" --version >"$HOME_DIR/version.txt" 2>&1 || die "the built llama-server does not run"
+  rm -rf "$BIN" && mv "$BIN.tmp" "$BIN" && touch "$BIN/.complete"
+}
+
+package_dir() {
+  "$PY" -c "import importlib.util, sys; s = importlib.util.find_spec('llama_cpp'); print(s.submodule_search_locations[0] if s else '')"
+}
+
+# llama-cpp-python with its own CMake build switched off (pure Python), then the libraries in the
+# folder it loads them from. A stamp in that folder names the build they came from.
+install_package() {
+  local pkg
+  pkg=$(package_dir)
+  if [ -n "$pkg" ] && [ "$(cat "$pkg/lib/.trtssd-build" 2>/dev/null)" = "$HOME_DIR" ]; then return; fi
+  if [ -z "$pkg" ]; then
+    say "installing llama-cpp-python==$VERSION (Python part only; the libraries come from the build above)"
+    CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "$PY" -m pip install -q \
+      "$CACHE/src/llama_cpp_python-$VERSION.tar.gz" >"$HOME_DIR/pip.log" 2>&1 \
+      || { tail -30 "$HOME_DIR/pip.log" >&2; die "installing llama-cpp-python failed (log: $HOME_DIR/pip.log)"; }
+    pkg=$(package_dir)
   fi
-  say "installing $wheel"
-  "$PY" -m pip install -q "$wheel" || die "installing $wheel failed"
+  mkdir -p "$pkg/lib"
+  cp -P "$LIB"/lib*.so* "$pkg/lib/"
+  echo "$HOME_DIR" >"$pkg/lib/.trtssd-build"
+  "$PY" -c "import llama_cpp" || die "llama_cpp does not import with the libraries of $LIB"
 }
 
 main() {
-  mkdir -p "$CACHE/llama.cpp"
-  # One builder per machine: a second setup waits here and then finds everything built.
-  exec 9>"$CACHE/llama.cpp/$VERSION.lock"
-  flock 9
-  have_tools || build_tools
-  have_llama_cpp || install_wheel
-  have_llama_cpp || die "llama_cpp still not importable from .venv"
-  say "llama.cpp $VERSION executables: $BIN"
-  say "llama-cpp-python $VERSION: $("$PY" -c 'import importlib.util; print(importlib.util.find_spec("llama_cpp").submodule_search_locations[0])')"
-  echo "$BIN"
+  local what=${1:-lib}
+  case $what in lib|tools) ;; *) die "usage: setup_llamacpp.sh [lib|tools]";; esac
+  mkdir -p "$HOME_DIR"
+  # One builder per machine: a second setup waits here, then finds everything built.
+  exec 9>"$HOME_DIR.lock"
+  if ! flock -n 9; then
+    say "another setup is building llama.cpp $VERSION; waiting for it"
+    flock 9
+  fi
+  build_libraries
+  install_package
+  if [ "$what" = tools ]; then
+    build_tools
+    echo "$BIN"
+  else
+    echo "$LIB"
+  fi
 }
 
 main "$@"

@@ -2,27 +2,20 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import psutil
 import pytest
 
 from trtssd.bench.config import BenchConfig
-from trtssd.bench.llamacpp import SETUP_SCRIPT, LlamaServer, ServerOptions, find_llama_server
+from trtssd.bench.llamacpp import LlamaServer, ServerOptions, ensure_llama_server
 from trtssd.bench.sweep import run_benchmark
 
 
 @pytest.fixture(scope="module")
 def server_bin() -> Path:
-    found = find_llama_server()
-    if found is None:
-        if not SETUP_SCRIPT.is_file():
-            pytest.skip("no llama-server and no scripts/setup_llamacpp.sh to build it")
-        subprocess.run(["bash", str(SETUP_SCRIPT)], check=True, timeout=3600)
-        found = find_llama_server()
-    assert found is not None
-    return found
+    """llama-server, built by scripts/setup_llamacpp.sh tools the first time a test needs it."""
+    return ensure_llama_server()
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
 """llama.cpp's own server as a peer: find the built ``llama-server``, start it, talk to it, stop it.
 
-``scripts/setup_llamacpp.sh`` builds the executables from the llama.cpp tree vendored in the
-llama-cpp-python sdist (the same ggml as the llama-cpp-python wheel) into
-``~/.cache/trtssd/llama.cpp/<version>/bin``.
+``scripts/setup_llamacpp.sh tools`` builds the executables from the llama.cpp tree vendored in the
+llama-cpp-python sdist (the same build as the libraries llama-cpp-python loads) into
+``~/.cache/trtssd/llama.cpp/<version>-<machine>-<cpu key>/bin``; ``ensure_llama_server`` runs it
+when a benchmark or a test first needs the server.
 
     with LlamaServer(ServerOptions(model=Path("target.gguf"), draft=Path("draft.gguf"))) as server:
         reply = server.completion({"prompt": [1, 2, 3], "n_predict": 8, "temperature": 0})
@@ -15,9 +16,11 @@ it (terminate, then kill), so no server outlives its benchmark.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import platform
 import shutil
 import socket
 import subprocess
@@ -41,9 +44,32 @@ class LlamaServerError(RuntimeError):
     """llama-server is missing, did not start, or answered with an error."""
 
 
-def default_bin_dir() -> Path:
+def cpu_key(cpuinfo: str | None = None) -> str:
+    """12 hex digits naming this CPU's instruction-set flags: the build compiles for the CPU it
+    runs on (GGML_NATIVE), so a cache shared by machines keeps one build per flag set.
+
+    The same rule as ``cpu_key`` in scripts/setup_llamacpp.sh: the first ``flags`` line of
+    /proc/cpuinfo, its flags sorted (byte order) and joined by single spaces, sha256-hashed.
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    line = next((ln for ln in cpuinfo.splitlines() if ln.startswith("flags")), "")
+    flags = sorted(line.split(":", 1)[1].split()) if ":" in line else []
+    return hashlib.sha256(" ".join(flags).encode()).hexdigest()[:12]
+
+
+def build_dir() -> Path:
+    """The cache folder of this version's build on this machine (setup_llamacpp.sh's HOME_DIR)."""
     cache = Path(os.environ.get("TRTSSD_CACHE", Path.home() / ".cache" / "trtssd"))
-    return cache / "llama.cpp" / LLAMACPP_VERSION / "bin"
+    return cache / "llama.cpp" / f"{LLAMACPP_VERSION}-{platform.machine()}-{cpu_key()}"
+
+
+def default_bin_dir() -> Path:
+    """Where setup_llamacpp.sh installs llama-server and llama-bench."""
+    return build_dir() / "bin"
 
 
 def find_llama_server() -> Path | None:
@@ -56,6 +82,25 @@ def find_llama_server() -> Path | None:
         return built
     on_path = shutil.which("llama-server")
     return Path(on_path) if on_path else None
+
+
+def ensure_llama_server(timeout_s: float = 3600.0) -> Path:
+    """The llama-server to run, built first by ``setup_llamacpp.sh tools`` if none is found.
+
+    The build reuses the compiled libraries of the set-up, so it compiles only the tools
+    (minutes on 2 cores, once per machine). Raises LlamaServerError when it cannot be built.
+    """
+    found = find_llama_server()
+    if found is not None:
+        return found
+    if not SETUP_SCRIPT.is_file():
+        raise LlamaServerError(f"llama-server not found and {SETUP_SCRIPT} is missing to build it")
+    log.info("llama-server not found: building it with %s tools", SETUP_SCRIPT)
+    done = subprocess.run(["bash", str(SETUP_SCRIPT), "tools"], timeout=timeout_s)
+    found = find_llama_server()
+    if done.returncode != 0 or found is None:
+        raise LlamaServerError(f"building llama-server failed (bash {SETUP_SCRIPT} tools: exit {done.returncode})")
+    return found
 
 
 @dataclass(frozen=True)

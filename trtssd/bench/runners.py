@@ -262,11 +262,12 @@ class LlamaCppRunner:
     """
 
     def __init__(self, cfg: BenchConfig, system: str, k: int | None, max_seq_len: int):
-        from trtssd.bench.llamacpp import LlamaServer, ServerOptions, find_llama_server
+        from trtssd.bench.llamacpp import LlamaServer, LlamaServerError, ServerOptions, ensure_llama_server
 
-        binary = find_llama_server()
-        if binary is None:
-            raise SkipRun("llama-server is not built (run scripts/setup_llamacpp.sh)")
+        try:
+            binary = ensure_llama_server()
+        except LlamaServerError as e:
+            raise SkipRun(str(e)) from e
         target, draft, where = gguf_files(cfg)
         if system == "llama.cpp-sd" and draft is None:
             raise SkipRun(where)

@@ -378,3 +378,55 @@ def test_ssd_runs_get_the_given_saguaro_c_and_others_keep_the_engines(monkeypatc
     runners.TrtssdRunner(cfg, "sd", 5, None, 256)
     runners.TrtssdRunner(BenchConfig(target="t", ks=(5,), budgets=(12,)), "ssd", 5, 12, 256)
     assert seen[0]["saguaro_c"] == 1.0 and "saguaro_c" not in seen[1] and "saguaro_c" not in seen[2]
+
+
+def _fake_sweep(monkeypatch, timing_error: Exception | None = None) -> list[str]:
+    """run_benchmark with the runners and the forward timing replaced: each system 'runs' at once.
+    Returns the list that the runs' systems are appended to as they finish."""
+    from trtssd.bench import sweep
+
+    finished: list[str] = []
+
+    def run_instance(inst, cfg, encoded, ids, max_seq_len, progress, notes):
+        finished.append(inst.system)
+        return [_run(k.system, 10.0, [(1, 2)], k=k.k, budget=k.budget) for k in inst.keys]
+
+    def timings(*args, **kwargs):
+        if timing_error is not None:
+            raise timing_error
+        return Timings(CostCurve(((1, 0.01),)), CostCurve(((1, 0.001),)), CostCurve(((1, 0.001),)))
+
+    monkeypatch.setattr(sweep, "_run_instance", run_instance)
+    monkeypatch.setattr(sweep, "measure_timings", timings)
+    monkeypatch.setattr(sweep, "compare_with_plan", lambda runs, t, handshake: None)
+    monkeypatch.setattr(sweep, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(sweep, "encode_prompts", lambda items, tok: [[1, 2, 3] for _ in items])
+    return finished
+
+
+def test_the_report_is_handed_over_after_each_system_and_a_timing_failure_keeps_the_runs(monkeypatch, tmp_path):
+    finished = _fake_sweep(monkeypatch, timing_error=ValueError("cannot time this executor"))
+    seen: list[list[str]] = []
+    cfg = BenchConfig(target=str(tmp_path / "t.gguf"), systems=("ar", "sd"), datasets=("chat",), prompts_per_set=1,
+                      ks=(3,), out_dir=tmp_path)
+    report = bench.run_benchmark(cfg, "test", lambda so_far: seen.append([r.key.system for r in so_far.runs]))
+    assert finished == ["ar", "sd"]
+    assert seen[:2] == [["ar"], ["ar", "sd"]]  # written after each system, before the timing step
+    assert report.timings is None and len(report.runs) == 2
+    assert any("forward timing failed (ValueError: cannot time this executor)" in n for n in report.notes)
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_bench_defaults_on_a_ggml_engine(tmp_path):
+    """`trtssd bench` as the README runs it on a ggml engine: the default forward timing included."""
+    from trtssd.build import build_engine
+
+    engine = build_engine("smollm2-135m", backend="ggml", progress=False)
+    out = tmp_path / "out"
+    rc = bench.main(["--engine", str(engine), "--systems", "ar,sd,ssd", "--datasets", "chat", "--prompts", "1",
+                     "--max-tokens", "8", "--out", str(out), "--no-plots"])
+    assert rc == 0
+    data = json.loads((out / "results.json").read_text())
+    assert [r["error"] for r in data["runs"]] == [None] * 3
+    assert data["timings"]["tree"] and all(r["prediction"] for r in data["runs"])

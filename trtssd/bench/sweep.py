@@ -8,7 +8,7 @@ import os
 import shlex
 import sys
 from dataclasses import replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 from trtssd.bench.calibration import compare_with_plan, measure_timings
 from trtssd.bench.config import TRTSSD_SYSTEMS, BenchConfig, Instance, plan_instances
@@ -23,6 +23,7 @@ from trtssd.bench.report import (
 from trtssd.bench.runners import HFRunner, LlamaCppRunner, SkipRun, TrtssdRunner
 from trtssd.models.tokenizer import load_tokenizer
 from trtssd.runtime.metrics import SpeculationMetrics
+from trtssd.runtime.speedup_model import Timings
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,13 @@ def run_cell(runner, key: RunKey, prompts: Sequence[list[int]], ids: Sequence[st
     return RunResult(key, summarize(batches, spec), [r for bt in batches for r in bt.requests])
 
 
-def run_benchmark(cfg: BenchConfig, command: str | None = None) -> "BenchReport":
-    """Run the sweep, calibrate, compare with the plan; returns the report (nothing written yet)."""
+def run_benchmark(cfg: BenchConfig, command: str | None = None,
+                  on_update: Callable[[BenchReport], None] | None = None) -> "BenchReport":
+    """Run the sweep, calibrate, compare with the plan; returns the report.
+
+    ``on_update`` (e.g. writing the report) is called with the report so far after each system
+    and after the calibration, so a late failure loses none of the runs before it.
+    """
     from tqdm import tqdm
 
     cfg = cfg.resolved()
@@ -81,26 +87,47 @@ def run_benchmark(cfg: BenchConfig, command: str | None = None) -> "BenchReport"
     max_seq_len = _round_up(longest + cfg.max_tokens + 8, 64)
     instances = plan_instances(replace(cfg, datasets=tuple(items)))
     total = sum(-(-len(encoded[k.dataset]) // k.batch_size) for inst in instances for k in inst.keys)
-    runs: list[RunResult] = []
+    report = BenchReport(machine_info(), command or shlex.join(sys.argv), config_dict(cfg), [], None,
+                         _start_notes(cfg, encoded))
+    update = on_update or (lambda _report: None)
+    with tqdm(total=total, desc="bench", unit="batch", file=sys.stderr) as progress:
+        for inst in instances:
+            progress.set_postfix_str(inst.system + (f" K={inst.k}" if inst.k else "") +
+                                     (f" B={inst.budget}" if inst.budget else ""))
+            report.runs += _run_instance(inst, cfg, encoded, ids, max_seq_len, progress, report.notes)
+            attach_comparisons(report.runs)
+            update(report)
+    if cfg.calibrate and any(r.key.system in TRTSSD_SYSTEMS and r.error is None for r in report.runs):
+        report.timings = _calibrate(cfg, report)
+        update(report)
+    report.machine = machine_info()  # the load average at the end
+    return report
+
+
+def _start_notes(cfg: BenchConfig, encoded: dict[str, list[list[int]]]) -> list[str]:
+    """The report's notes known before any run: prompt sets, load, how the ranks sit on the cores."""
     notes = ["prompt sets: " + ", ".join(f"{ds} ({len(p)} prompts)" for ds, p in encoded.items())]
     if hasattr(os, "getloadavg"):
         notes.append(f"load average (1 min) at start: {os.getloadavg()[0]:.2f}")
     notes.append("trtssd ranks: " + ("each on every core, shared (--shared-cores)" if cfg.shared_cores
                                       else "one core each (target and draft pinned apart)")
                  + f"; plain rounds borrow the draft's cores: {cfg.lend_draft_cores}")
-    with tqdm(total=total, desc="bench", unit="batch", file=sys.stderr) as progress:
-        for inst in instances:
-            progress.set_postfix_str(inst.system + (f" K={inst.k}" if inst.k else "") +
-                                     (f" B={inst.budget}" if inst.budget else ""))
-            runs += _run_instance(inst, cfg, encoded, ids, max_seq_len, progress, notes)
-    timings = None
-    if cfg.calibrate and any(r.key.system in TRTSSD_SYSTEMS and r.error is None for r in runs):
-        # The auto fan-out may pick any width up to the budget: time narrow trees too.
-        widths = sorted({w for b in cfg.budgets for w in (1, 2, 4, b) if w <= b})
+    return notes
+
+
+def _calibrate(cfg: BenchConfig, report: BenchReport) -> Timings | None:
+    """Time the forwards after the runs and attach the plan's predictions to the report's runs.
+    A failure here is recorded in the notes and logged, and the runs are kept."""
+    # The auto fan-out may pick any width up to the budget: time narrow trees too.
+    widths = sorted({w for b in cfg.budgets for w in (1, 2, 4, b) if w <= b})
+    try:
         timings = measure_timings(cfg.engine, cfg.target, cfg.draft, cfg.batch_sizes, cfg.ks, widths)
-        compare_with_plan(runs, timings, cfg.handshake_s)
-    attach_comparisons(runs)
-    return BenchReport(machine_info(), command or shlex.join(sys.argv), config_dict(cfg), runs, timings, notes)
+        compare_with_plan(report.runs, timings, cfg.handshake_s)
+    except Exception as err:  # noqa: BLE001 - the runs are measured already; the plan is an extra
+        log.exception("forward timing failed; the runs are reported without the plan comparison")
+        report.notes.append(f"forward timing failed ({type(err).__name__}: {err}): no plan comparison")
+        return None
+    return timings
 
 
 def _dataset_name(spec: str, items) -> str:

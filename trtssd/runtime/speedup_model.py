@@ -276,8 +276,18 @@ def time_forwards(executor: Executor, max_rows: int = 64, context: int = 128, re
 
 def middle_tree_step(seq_id: int, context: int, k: int, branches: int) -> Chunk:
     """A tree step of ``branches`` forks spread over the depths, after a ``context``-token prefix:
-    the middle step, whose mask is of average width."""
+    the middle step, whose mask is of average width. Its mask shows the glue and the steps before
+    it: write them first with ``write_tree_before_middle``."""
     return _tree_layout(seq_id, context, k, branches).step_chunk((k - 1) // 2, torch.ones(branches, dtype=torch.long))
+
+
+def write_tree_before_middle(executor: Executor, seq_id: int, context: int, k: int, branches: int) -> None:
+    """Forward the glue and the tree steps before the middle one, so that the middle step sees
+    written KV: an engine that owns its cache (llama.cpp) refuses to attend to unwritten slots."""
+    layout = _tree_layout(seq_id, context, k, branches)
+    executor.forward([chain_chunk(seq_id, [1] * (k + 1), context)])
+    for step in range((k - 1) // 2):
+        executor.forward([layout.step_chunk(step, torch.ones(branches, dtype=torch.long))])
 
 
 def _tree_layout(seq_id: int, context: int, k: int, branches: int) -> TreeLayout:
@@ -296,13 +306,7 @@ def time_tree_steps(executor: Executor, k: int, max_branches: int = 64, context:
     with scratch_sequences(executor, 1, context) as (sid,):
         times = {}
         for n in sizes:
-            # The glue and the tree steps before the middle one are written first, so the middle
-            # step sees written KV (an engine that owns its cache, such as llama.cpp, refuses to
-            # attend to unwritten slots).
-            layout = _tree_layout(sid, context, k, n)
-            executor.forward([chain_chunk(sid, [1] * (k + 1), context)])
-            for step in range((k - 1) // 2):
-                executor.forward([layout.step_chunk(step, torch.ones(n, dtype=torch.long))])
+            write_tree_before_middle(executor, sid, context, k, n)
             times[n] = time_forward(executor, [middle_tree_step(sid, context, k, n)], repeats)
         return times
 

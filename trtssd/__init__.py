@@ -4,6 +4,7 @@ import importlib.metadata
 
 from trtssd.config import Backup, Mode, ModelRef, RuntimeConfig, SpeculativeConfig
 from trtssd.sampling import SamplingParams
+from trtssd.structured.constraint import Constraint
 
 
 def __getattr__(name: str):
@@ -20,4 +21,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'trtssd' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "SpeculativeConfig", "RuntimeConfig", "ModelRef", "Mode", "Backup"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "Constraint", "SpeculativeConfig", "RuntimeConfig", "ModelRef", "Mode", "Backup"]

@@ -23,6 +23,7 @@ from trtssd.runtime.metrics import SpeculationMetrics
 from trtssd.runtime.output_processor import OutputText, Prompt, RequestOutput, request_output
 from trtssd.runtime.target_loop import TargetLoop, Verifier
 from trtssd.sampling import SamplingParams
+from trtssd.structured.grammar import Grammars
 from trtssd.trtllm.verifier import trtllm_verifier
 
 log = logging.getLogger(__name__)
@@ -106,8 +107,11 @@ class LLM:
         lending = (core_lending(executor, rt.target_cores, rt.target_threads, rt.draft_cores, rt.draft_threads,
                                 split_single_rows=rt.lend_draft_cores == "always")
                    if rt.lend_draft_cores != "never" else None)
+        grammars = (Grammars(self.tokenizer, executor.vocab_size, _eos_ids(self.tokenizer))
+                    if self.tokenizer is not None else None)
         return TargetLoop(executor, self.spec, rt.max_batch, rt.max_seq_len, _eos_ids(self.tokenizer), link,
-                          verifier, lending, prefix_cache_seqs=rt.prefix_cache_seqs, prefill_chunk=rt.prefill_chunk)
+                          verifier, lending, prefix_cache_seqs=rt.prefix_cache_seqs, prefill_chunk=rt.prefill_chunk,
+                          grammars=grammars)
 
     def _verifier(self, vocab_size: int) -> Verifier | None:
         """The target's rounds: None = the torch executor's own (TargetLoop's default)."""

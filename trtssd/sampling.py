@@ -14,6 +14,8 @@ from typing import Sequence, Union
 
 import torch
 
+from trtssd.structured.constraint import Constraint
+
 # What callers may pass as the source of randomness for a batch of rows:
 #   None                       -> every row uses torch's global RNG,
 #   a torch.Generator          -> every row draws from that one generator (tests, benchmarks),
@@ -51,7 +53,8 @@ def _is_real(value: object) -> bool:
 class SamplingParams:
     """How one request samples. Validated on construction; never mutated afterwards.
 
-    Processing order (the same as Hugging Face ``generate``): temperature, top-k, top-p, min-p.
+    Processing order: the constraint's mask (tokens it forbids at -inf), then as Hugging Face
+    ``generate``: temperature, top-k, top-p, min-p.
     """
 
     temperature: float = 1.0  # softmax temperature; 0 = greedy (argmax), the others are then unused
@@ -69,6 +72,9 @@ class SamplingParams:
     # Each prompt token's log-probability (the first's is None: nothing scores it) and this many
     # most likely alternatives (0-20), from the same distribution as `logprobs`; None = off.
     prompt_logprobs: int | None = None
+    # The language the output must belong to (a JSON schema, any JSON object, a regex, a choice, a
+    # grammar: trtssd.structured); every distribution is masked by it first. None = free text.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience; stored as tuples so the object stays hashable.
@@ -101,6 +107,12 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 _fail(name, f"None or an int in [0, {MAX_LOGPROBS}]", value)
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            _fail("constraint", "None or a trtssd.Constraint", self.constraint)
+        if self.constraint is not None and self.ignore_eos:
+            # A constrained output ends where its grammar does (the grammar then allows only EOS).
+            raise FieldError("ignore_eos", "SamplingParams.ignore_eos cannot be combined with a constraint: "
+                                           "the output ends where the constraint's grammar does")
 
     @property
     def is_greedy(self) -> bool:

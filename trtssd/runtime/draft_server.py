@@ -10,10 +10,12 @@ import logging
 import time
 
 from trtssd.backends.loading import load_executor
+from trtssd.models.tokenizer import load_tokenizer
 from trtssd.config import Mode, ModelRef, RuntimeConfig, SpeculativeConfig, batch_tokens
 from trtssd.runtime import protocol as P
 from trtssd.runtime.draft_worker import DraftWorker
 from trtssd.runtime.transport import RoundBuffers
+from trtssd.structured.grammar import Grammars
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +28,9 @@ def load_worker(draft_model: ModelRef, spec: SpeculativeConfig, runtime: Runtime
                              max_batch_tokens=batch_tokens(spec, runtime), device=runtime.draft_device,
                              device_field="draft_device", row_invariant=False,
                              kept_prompts=runtime.prefix_cache_seqs)
-    worker = DraftWorker(executor, spec, runtime.prefix_cache_seqs)
+    # The tokenizer is loaded at the first constrained request, not before.
+    grammars = Grammars(lambda: load_tokenizer(draft_model.path), executor.vocab_size)
+    worker = DraftWorker(executor, spec, runtime.prefix_cache_seqs, grammars)
     if spec.mode is Mode.SSD and spec.fixed_fanout is None:
         # No wider than this configuration's widest tree or glue: the widest sizes cost the most
         # (seconds of start-up), and measurements beyond them would never be used.

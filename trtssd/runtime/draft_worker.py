@@ -19,6 +19,12 @@ outcome): the tree branch for outcome (k, b) of round r and a just-in-time draft
 outcome draw the same numbers. Such rows sample from the plain draft distribution (Saguaro's skew
 depends on the live tree budget) and a miss is always answered by the neural backup, so a seeded
 request's proposals, and with them its output, do not depend on timing, batch or cache hits.
+
+Constrained requests (structured outputs): the draft samples from its grammar-masked q', so it
+proposes only tokens the constraint allows. Each chain follows its own grammar state: a
+just-in-time draft forks the sequence's state, every glue row is masked by the state after the
+speculation's tokens before it, and every tree branch forks the state at its fork point. Exactness
+does not rest on this (the target masks its own p), acceptance does.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from trtssd.spec_decode.cache import CachedSpeculation, PreSpeculation, pre_spec
 from trtssd.spec_decode.fanout import AcceptanceEstimator, PowerLawEstimator, optimal_fanout
 from trtssd.spec_decode.saguaro import saguaro_probs, select_forks_batched
 from trtssd.spec_decode.tree import TreeLayout, append_chunk
+from trtssd.structured.grammar import GrammarState, Grammars, apply_bitmask, chain_bitmask, new_bitmask
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +79,7 @@ class DraftSequence:
     last_source: Source | None = None
     hit: tuple[PreSpeculation, CachedSpeculation] | None = None  # this round's hit, for the glue
     cached_tokens: int = 0  # prompt tokens the prefix cache gave (not prefilled)
+    grammar: GrammarState | None = None  # a constrained request's grammar, after every emitted token
 
     @property
     def seeded(self) -> bool:
@@ -98,8 +106,12 @@ class Drafts:
 
 
 class DraftWorker:
-    def __init__(self, executor: Executor, spec: SpeculativeConfig, prefix_cache_seqs: int = 0):
+    def __init__(self, executor: Executor, spec: SpeculativeConfig, prefix_cache_seqs: int = 0,
+                 grammars: Grammars | None = None):
+        """grammars: the draft tokenizer's grammar compiler (None: constrained requests are drafted
+        unmasked, which costs acceptance, never exactness)."""
         self.executor = executor
+        self.grammars = grammars
         self.prefix_cache = PrefixCache(executor, prefix_cache_seqs)
         self._prefilled: dict[int, tuple[int, int]] = {}  # partly prefilled -> (tokens in, of them cached)
         self.spec = spec
@@ -152,9 +164,18 @@ class DraftWorker:
             return
         del self._prefilled[sid]
         self.prefix_cache.index(sid, prompt)
-        self.seqs[sid] = DraftSequence(sid, msg.params, prompt, cached_tokens=cached)
+        self.seqs[sid] = DraftSequence(sid, msg.params, prompt, cached_tokens=cached, grammar=self._grammar(msg.params))
         if self.spec.mode is Mode.SSD:
             self._first[sid] = logits[-1]
+
+    def _grammar(self, params: SamplingParams) -> GrammarState | None:
+        if params.constraint is None or self.grammars is None:
+            return None
+        try:
+            return self.grammars.start(params.constraint)
+        except Exception:  # noqa: BLE001 - the target checked it; the draft then drafts unmasked
+            log.exception("the draft could not compile a constraint the target accepted; drafting unmasked")
+            return None
 
     def release(self, seq_ids) -> None:
         for sid in seq_ids:
@@ -233,6 +254,10 @@ class DraftWorker:
         seq.kv_chain = []
         seq.history += emitted
         seq.bonus = emitted[-1]
+        if seq.grammar is not None and seq.grammar.advance(emitted) != len(emitted):
+            log.warning("seq %d: the target emitted a token the draft's grammar does not allow; drafting unmasked",
+                        seq.seq_id)
+            seq.grammar = None
         return seq
 
     def _observe(self, seqs: list[DraftSequence], req: SpeculateRequest, pres: list[PreSpeculation | None],
@@ -241,6 +266,8 @@ class DraftWorker:
         if req.verify_time_s > 0:
             self.costs.observe("verify_s", req.verify_time_s)
         for seq, outcome, pre, found in zip(seqs, req.outcomes, pres, cached):
+            if outcome.grammar:
+                continue  # the target verified the grammar's tokens, not this speculation
             if seq.last_source in (Source.HIT, Source.NEURAL, Source.SD):
                 self.acceptance.update(outcome.num_accepted, outcome.num_drafts or self.k)
                 self.costs.observe("tokens_neural", outcome.num_accepted + 1)
@@ -302,10 +329,11 @@ class DraftWorker:
         fanouts = [self._fanout(s) if self.spec.mode is Mode.SSD else [0] * (self.k + 1) for s in seqs]
         uniforms = self._uniforms(seqs, [(s.round, o.num_accepted, o.bonus) for s, o in zip(seqs, outcomes)])
         chunks = [self._extend_chain(s, s.uncached + [s.bonus]) for s in seqs]  # the chain is empty after _advance
+        states = [s.grammar.fork() if s.grammar is not None else None for s in seqs]
         steps = []
         for d in range(self.k):
             logits = torch.stack([out[-1] for out in self.executor.forward(chunks)])
-            tok, q = self._sample(logits, seqs, [f[d] for f in fanouts], uniforms[:, d])
+            tok, q = self._sample(logits, seqs, [f[d] for f in fanouts], uniforms[:, d], states)
             steps.append((tok, q))
             if d + 1 < self.k:
                 chunks = [self._extend_chain(s, [t]) for s, t in zip(seqs, tok.tolist())]
@@ -318,9 +346,19 @@ class DraftWorker:
         return chunk
 
     def _sample(self, logits: torch.Tensor, seqs: list[DraftSequence], fanouts: list[int],
-                uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+                uniforms: torch.Tensor, states: list[GrammarState | None] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One token per row from its q' (argmax on greedy rows); returns (tokens, q' rows or None
-        when every row is greedy). ``fanouts[i]`` is F at the depth the token is drawn for."""
+        when every row is greedy). ``fanouts[i]`` is F at the depth the token is drawn for.
+        ``states``: per row, the grammar state the token is drawn at (None: free), masked by it
+        and advanced past the drawn token."""
+        if states is not None and any(st is not None for st in states):
+            logits = _masked(logits, states)
+            tokens, q = self._sample(logits, seqs, fanouts, uniforms)
+            for i, (st, tok) in enumerate(zip(states, tokens.tolist())):
+                if st is not None and not st.accept(tok):
+                    states[i] = None  # a finished grammar: what follows is never emitted
+            return tokens, q
         params = [s.params for s in seqs]
         if all(p.is_greedy for p in params):
             return logits.argmax(dim=-1), None
@@ -434,6 +472,9 @@ class DraftWorker:
         K+1 glue rows; unglued, the prompt's last row alone (the first token has no speculation)."""
         fans = [self._fit(s, fan) for s, fan in zip(seqs, fans)]
         depths = logits.shape[1]
+        if any(s.grammar is not None for s in seqs):  # candidates the grammar allows at each depth
+            logits = torch.stack([_masked(logits[i], [s.grammar] * depths, s.last_spec if glued else [])
+                                  for i, s in enumerate(seqs)])
         proposals = torch.tensor([s.last_spec if glued else [] for s in seqs], dtype=torch.long)
         forks = select_forks_batched(self._fork_scores(logits, seqs), proposals.view(len(seqs), depths - 1),
                                      torch.tensor(fans)[:, :depths])
@@ -484,12 +525,13 @@ class DraftWorker:
         if not branch_seqs:
             return Drafts(torch.zeros(0, self.k, dtype=torch.long), None), []
         uniforms = self._uniforms(branch_seqs, keys)
+        states = [_branch_state(s, key[1], key[2]) for s, key in zip(branch_seqs, keys)]
         inputs = [layouts[i][0].fork_token for i in live]
         steps, step_logits = [], []
         for d in range(self.k):
             t0 = time.perf_counter()
             logits = torch.cat(self.executor.forward([layouts[i][0].step_chunk(d, x) for i, x in zip(live, inputs)]))
-            tok, q = self._sample(logits, branch_seqs, [f[d] for f in fan_rows], uniforms[:, d])
+            tok, q = self._sample(logits, branch_seqs, [f[d] for f in fan_rows], uniforms[:, d], states)
             # Sampling is part of a step's price: over a 152k vocabulary it is not negligible.
             self.tree_costs.observe(len(branch_seqs), time.perf_counter() - t0)
             steps.append((tok, q))
@@ -506,6 +548,30 @@ class DraftWorker:
             self.cache[s.seq_id] = pre_speculation(tuple(fan), lay, tuple(x[rows] for x in step_logits),
                                                    drafts.tokens[rows], probs)
             start = rows.stop
+
+
+def _masked(logits: torch.Tensor, states: list[GrammarState | None], chain: list[int] | None = None) -> torch.Tensor:
+    """Logits [n, V] masked row by row: without ``chain``, row i by states[i]'s next-token mask;
+    with it, all rows share states[0] and row j is masked by the state after ``chain[:j]``."""
+    vocab = logits.shape[-1]
+    if chain is not None:
+        return logits if states[0] is None else apply_bitmask(logits, chain_bitmask(states[0], chain, logits.shape[0], vocab))
+    bitmask = new_bitmask(logits.shape[0], vocab)
+    for i, st in enumerate(states):
+        if st is not None:
+            st.fill(bitmask, i)
+    return apply_bitmask(logits, bitmask)
+
+
+def _branch_state(seq: DraftSequence, depth: int, token: int) -> GrammarState | None:
+    """A tree branch's own grammar state: the sequence's (after its bonus), advanced along the
+    speculation's first ``depth`` tokens and the branch's fork token; None for a free sequence,
+    or a branch the grammar does not allow (it answers an outcome that cannot happen)."""
+    if seq.grammar is None:
+        return None
+    state = seq.grammar.fork()
+    path = seq.last_spec[:depth] + [token]
+    return state if state.advance(path) == len(path) else None
 
 
 def _stack(steps: list[tuple[torch.Tensor, torch.Tensor | None]]) -> Drafts:

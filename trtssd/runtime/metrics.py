@@ -40,6 +40,12 @@ class SpeculationMetrics:
     degraded_rounds: int = 0  # rounds decoded in ar mode because the draft was lost
     plain_rounds: int = 0  # rounds decoded without the draft by load control (it measured faster)
     draft_cached_tokens: int = 0  # prompt tokens the draft's prefix cache gave it (not prefilled there)
+    # Structured outputs: rounds that verified the grammar's forced tokens (instead of the draft's
+    # proposals, or in a plain round), those tokens, the ones accepted, and the masks' seconds.
+    grammar_rounds: int = 0
+    grammar_proposed_tokens: int = 0
+    grammar_accepted_tokens: int = 0
+    grammar_mask_time_s: float = 0.0  # computing every position's mask (target side)
 
     def record_round(self, k: int, accepted: int, source: Source) -> None:
         """One verified round: ``accepted`` of its k proposals were accepted and emitted."""
@@ -59,6 +65,12 @@ class SpeculationMetrics:
                 self.neural_backups += 1
             else:
                 self.fast_backups += 1
+
+    def record_grammar_round(self, proposed: int, accepted: int) -> None:
+        """One row's round that verified ``proposed`` tokens the grammar forced."""
+        self.grammar_rounds += 1
+        self.grammar_proposed_tokens += proposed
+        self.grammar_accepted_tokens += accepted
 
     def add_times(self, **seconds: float) -> None:
         """Add one round's wall-clock times (names from ROUND_TIME_FIELDS)."""

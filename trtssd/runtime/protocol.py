@@ -76,6 +76,9 @@ class Outcome:
     bonus: int
     plain: tuple[int, ...] = ()
     num_drafts: int | None = None  # proposals the target verified (K per round); None: all K
+    # The round verified the grammar's forced tokens instead of this speculation (structured
+    # outputs): the outcome says what was emitted, not how the speculation fared.
+    grammar: bool = False
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,8 @@ from trtssd.runtime.transport import PeerLost
 from trtssd.sampling import (FieldError, SamplingParams, TokenLogprob, make_generator, processed_probs,
                              prompt_logprobs, sample, token_logprobs)
 from trtssd.spec_decode.verify import verify
+from trtssd.structured.constraint import ConstraintError
+from trtssd.structured.grammar import GrammarState, Grammars, apply_bitmask, chain_bitmask
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,7 @@ class Sequence:
     on_draft: bool = False  # the draft rank knows this sequence
     draft_prefilled: int = 0  # prompt tokens sent to the draft's prefill (all of them: it can speculate)
     spec_streak: int = 0  # speculative rounds in a row (since admission or the last plain round)
+    grammar: GrammarState | None = None  # a constrained request's grammar, after every emitted token
 
 
 @dataclass(frozen=True)
@@ -109,9 +112,10 @@ class Verifier(Protocol):
     """
 
     def verify(self, seqs: list[Sequence], proposals: torch.Tensor, probs: torch.Tensor | None,
-               point_mass: tuple[bool, ...]) -> Verified:
+               point_mass: tuple[bool, ...], num_proposals: tuple[int, ...] | None = None) -> Verified:
         """One speculative round: ``proposals`` [B, K] from the draft, ``probs`` its q' rows
-        [B, K, V] (None for greedy rows), ``point_mass`` per row."""
+        [B, K, V] (None for greedy rows), ``point_mass`` per row, ``num_proposals`` the
+        proposals of each row to verify (its first ones; None: all K)."""
 
     def plain(self, seqs: list[Sequence]) -> Verified:
         """One plain step: a round without drafts (nothing accepted, each row's next token as
@@ -131,14 +135,17 @@ class ExecutorVerifier:
         pass  # trtssd.sampling implements every SamplingParams field
 
     def verify(self, seqs: list[Sequence], proposals: torch.Tensor, probs: torch.Tensor | None,
-               point_mass: tuple[bool, ...]) -> Verified:
-        # Each row [bonus, s_1..s_K] appended causally at its committed length.
-        rows = proposals.tolist()
+               point_mass: tuple[bool, ...], num_proposals: tuple[int, ...] | None = None) -> Verified:
+        # Each row [bonus, s_1..s_n] appended causally at its committed length.
+        k = proposals.shape[1]
+        counts = num_proposals if num_proposals is not None else (k,) * len(seqs)
+        rows = [row[:n] for row, n in zip(proposals.tolist(), counts)]
         chunks = [chain_chunk(s.seq_id, [s.bonus] + rows[i], self.target.committed(s.seq_id))
                   for i, s in enumerate(seqs)]
-        logits = torch.stack(self.target.forward(chunks))  # [B, k+1, V]
+        # [B, k+1, V]; a row with fewer proposals is padded (verify never reads past its count).
+        logits = constrained(torch.stack([_padded(out, k + 1) for out in self.target.forward(chunks)]), seqs, rows)
         result = verify(
-            logits, proposals.clone(), torch.full((len(seqs),), proposals.shape[1], dtype=torch.long), probs,
+            logits, proposals.clone(), torch.tensor(counts, dtype=torch.long), probs,
             torch.tensor(point_mass, dtype=torch.bool), [s.params for s in seqs],
             [s.generator for s in seqs],
         )
@@ -150,7 +157,7 @@ class ExecutorVerifier:
 
     def plain(self, seqs: list[Sequence]) -> Verified:
         chunks = [chain_chunk(s.seq_id, [s.bonus], self.target.committed(s.seq_id)) for s in seqs]
-        logits = torch.cat(self.target.forward(chunks))
+        logits = constrained(torch.stack(self.target.forward(chunks)), seqs, [[] for _ in seqs])[:, 0]
         params = [s.params for s in seqs]
         if all(p.is_greedy for p in params):
             # What sampling the one-hot p would return (its first argmax), without building p: on
@@ -162,6 +169,31 @@ class ExecutorVerifier:
             self.target.commit(seq.seq_id, 1)
         tokens = tuple(nxt.tolist())
         return Verified((0,) * len(seqs), tokens, _logprobs(seqs, logits[:, None], [[t] for t in tokens]))
+
+
+def constrained(logits: torch.Tensor, seqs: list[Sequence], chains: list[list[int]]) -> torch.Tensor:
+    """Target logits [B, n, V] with each constrained row masked by its grammar: position i by the
+    state after the row's emitted output and ``chains[b][:i]`` (its proposals before i), so p at
+    every position of a verify chain is the masked distribution given its own prefix."""
+    rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    if not rows:
+        return logits
+    t0 = time.perf_counter()
+    out = logits.clone()
+    n, vocab = logits.shape[1], logits.shape[2]
+    for i in rows:
+        out[i] = apply_bitmask(logits[i], chain_bitmask(seqs[i].grammar, chains[i], n, vocab))
+    spent = (time.perf_counter() - t0) / len(rows)
+    for i in rows:
+        seqs[i].metrics.grammar_mask_time_s += spent
+    return out
+
+
+def _padded(logits: torch.Tensor, rows: int) -> torch.Tensor:
+    """Logits [n, V] padded with zero rows to [rows, V]."""
+    if logits.shape[0] == rows:
+        return logits
+    return torch.cat([logits, logits.new_zeros(rows - logits.shape[0], logits.shape[1])])
 
 
 def _logprobs(seqs: list[Sequence], logits: torch.Tensor, emitted: list[list[int]]) -> tuple[list[TokenLogprob] | None, ...]:
@@ -177,10 +209,11 @@ class TargetLoop:
     def __init__(self, target: Executor, spec: SpeculativeConfig, max_batch: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...] = (), draft: DraftClient | None = None,
                  verifier: Verifier | None = None, lending: CoreLending | None = None,
-                 prefix_cache_seqs: int = 0, prefill_chunk: int = 0):
+                 prefix_cache_seqs: int = 0, prefill_chunk: int = 0, grammars: Grammars | None = None):
         """prefix_cache_seqs: finished sequences whose prompt KV is kept for reuse (an executor
         that keeps them as sequences must hold max_batch + that many; llama.cpp's go to host
-        memory). prefill_chunk: most prompt tokens prefilled per step (0: whole prompts)."""
+        memory). prefill_chunk: most prompt tokens prefilled per step (0: whole prompts).
+        grammars: the target tokenizer's grammar compiler (None: constraints are refused)."""
         if spec.mode is not Mode.AR and draft is None:
             raise ValueError(f"mode {spec.mode.value!r} needs a draft rank")
         self.target = target
@@ -188,6 +221,7 @@ class TargetLoop:
         self.max_batch = max_batch
         self.max_model_len = max_model_len  # prompt + output tokens per sequence, as the user set it
         self.eos_token_ids = tuple(eos_token_ids)
+        self.grammars = grammars
         self.draft = draft if spec.mode is not Mode.AR else None
         # Rounds after prefill; prefill itself always runs on ``target``.
         self.verifier = verifier if verifier is not None else ExecutorVerifier(target)
@@ -255,7 +289,10 @@ class TargetLoop:
         to call beside a running loop (it reads only fixed sizes). `add` queues it."""
         self.check_request(prompt, params)
         seq_id = next(self._ids)
-        return Sequence(seq_id, request_id or f"req-{seq_id}", list(prompt), params, make_generator(params))
+        seq = Sequence(seq_id, request_id or f"req-{seq_id}", list(prompt), params, make_generator(params))
+        if params.constraint is not None:
+            seq.grammar = self.grammars.start(params.constraint)
+        return seq
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -280,6 +317,13 @@ class TargetLoop:
                                  f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {need} exceeds "
                                  f"max_seq_len {self.max_model_len}: shorten the prompt or lower max_tokens")
         self.verifier.check(params)
+        if params.constraint is not None:
+            if self.grammars is None:
+                raise FieldError("constraint", "this model has no tokenizer: constraints cannot be served")
+            try:
+                self.grammars.check(params.constraint)  # compiled once per distinct constraint (cached)
+            except ConstraintError as err:
+                raise FieldError("constraint", str(err)) from None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
@@ -404,6 +448,7 @@ class TargetLoop:
 
     def _first_tokens(self, seqs: list[Sequence], logits: torch.Tensor, outputs: list[StepOutput]) -> None:
         """Sample and emit each new sequence's first token from its prompt's last logits [B, V]."""
+        logits = constrained(logits[:, None], seqs, [[] for _ in seqs])[:, 0]
         first = sample(processed_probs(logits, [s.params for s in seqs]), [s.generator for s in seqs]).tolist()
         logprobs = _logprobs(seqs, logits[:, None], [[t] for t in first])
         for i, (seq, tok) in enumerate(zip(seqs, first)):
@@ -491,15 +536,24 @@ class TargetLoop:
         steady = not chosen or self.lending is None or t0 >= self._draft_busy_until
         self._take_cores(plain=steady)
         self._release_on_draft()  # the draft waits for no round's request now
-        result = self.verifier.plain(seqs)
-        for i, (seq, tok) in enumerate(zip(seqs, result.bonus)):
+        forced = self._forced(seqs, self.spec.k) if self.spec.mode is not Mode.AR else []
+        if any(forced):  # the grammar's forced tokens, verified in this round's one forward
+            result = self.verifier.verify(seqs, _proposal_tensor(forced, self.spec.k), None, (True,) * len(seqs),
+                                          tuple(len(f) for f in forced))
+        else:
+            result = self.verifier.plain(seqs)
+            forced = [[] for _ in seqs]
+        for i, (seq, n, tok) in enumerate(zip(seqs, result.num_accepted, result.bonus)):
             seq.spec_streak = 0
+            emitted = forced[i][:n] + [tok]
             if chosen:
                 seq.metrics.plain_rounds += 1
-                seq.outcome = dataclasses.replace(seq.outcome, plain=seq.outcome.plain + (tok,))
+                seq.outcome = dataclasses.replace(seq.outcome, plain=seq.outcome.plain + tuple(emitted))
             elif self.spec.mode is not Mode.AR:
                 seq.metrics.degraded_rounds += 1
-            self._emit(seq, [tok], outputs, result.logprobs[i] if result.logprobs else None)
+            kept = self._emit(seq, emitted, outputs, result.logprobs[i] if result.logprobs else None)
+            if forced[i]:
+                seq.metrics.record_grammar_round(len(forced[i]), min(n, kept))
         if chosen:
             self.chooser.observe(False, len(seqs), len(seqs), self._round_s(t0, u0), steady=steady)
 
@@ -527,7 +581,8 @@ class TargetLoop:
         # K per round: the first k of the draft's K proposals (a prefix of a speculation is one).
         k = self.lengths.choose(len(seqs)) if self.lengths is not None else self.spec.k
         tokens, probs = tokens[:, :k], None if probs is None else probs[:, :k]
-        result = self.verifier.verify(seqs, tokens, probs, reply.point_mass)
+        tokens, point_mass, counts, forced = self._with_forced(seqs, tokens, reply.point_mass)
+        result = self.verifier.verify(seqs, tokens, probs, point_mass, counts)
         t2 = time.perf_counter()
         self._last_verify_s = t2 - t1
         times = dict(verify_time_s=t2 - t1, draft_wait_time_s=t1 - t0, round_time_s=t2 - t0,
@@ -540,18 +595,48 @@ class TargetLoop:
         total_emitted = 0
         for i, seq in enumerate(seqs):
             n = accepted[i]
-            seq.outcome = P.Outcome(seq.seq_id, n, bonus[i], num_drafts=k)
-            emitted = self._emit(seq, proposals[i][:n] + [bonus[i]], outputs,
-                                 result.logprobs[i] if result.logprobs else None)
+            if forced[i]:
+                seq.outcome = _grammar_outcome(seq.seq_id, forced[i][:n] + [bonus[i]], k)
+                emitted = self._emit(seq, forced[i][:n] + [bonus[i]], outputs,
+                                     result.logprobs[i] if result.logprobs else None)
+                seq.metrics.record_grammar_round(len(forced[i]), min(n, emitted))
+            else:
+                seq.outcome = P.Outcome(seq.seq_id, n, bonus[i], num_drafts=k)
+                emitted = self._emit(seq, proposals[i][:n] + [bonus[i]], outputs,
+                                     result.logprobs[i] if result.logprobs else None)
+                # Count only what was emitted: a stop inside the round cuts accepted tokens too.
+                seq.metrics.record_round(k, min(n, emitted), reply.sources[i])
             total_emitted += emitted
-            # Count only what was emitted: a stop inside the round cuts accepted tokens too.
-            seq.metrics.record_round(k, min(n, emitted), reply.sources[i])
             seq.metrics.add_times(**times)
             seq.metrics.tree_branches += reply.tree_branches
             if reply.cached_tokens:
                 seq.metrics.draft_cached_tokens = reply.cached_tokens[i]
             seq.spec_streak += 1
         self.chooser.observe(True, len(seqs), total_emitted, self._round_s(t0, u0), steady=steady)
+
+    # --- structured outputs: the grammar's forced tokens as proposals ----------------------------
+
+    def _forced(self, seqs: list[Sequence], k: int) -> list[list[int]]:
+        """Per row, the tokens its grammar forces after its pending bonus (at most k; empty for
+        a free row or where the grammar leaves a choice)."""
+        return [s.grammar.forced_tokens(k) if s.grammar is not None else [] for s in seqs]
+
+    def _with_forced(self, seqs: list[Sequence], tokens: torch.Tensor, point_mass: tuple[bool, ...]):
+        """The draft's proposals, with a constrained row's replaced by its grammar's forced tokens
+        (verified as a point mass) where the draft's do not begin with them. Returns (proposals,
+        point_mass, proposals per row, the forced tokens per row that replaced the draft's)."""
+        k = tokens.shape[1]
+        forced = self._forced(seqs, k)
+        rows = tokens.tolist()
+        replaced = [f if f and rows[i][:len(f)] != f else [] for i, f in enumerate(forced)]
+        if not any(replaced):
+            return tokens, point_mass, None, replaced
+        tokens = tokens.clone()  # the draft's buffer stays as it wrote it
+        for i, f in enumerate(replaced):
+            if f:
+                tokens[i, :len(f)] = torch.tensor(f)
+        point_mass = tuple(pm or bool(f) for pm, f in zip(point_mass, replaced))
+        return tokens, point_mass, tuple(len(f) if f else k for f in replaced), replaced
 
     def _upkeep_s(self) -> float:
         """The target's cache upkeep so far (a ggml compaction: GgmlExecutor.upkeep_s)."""
@@ -582,6 +667,11 @@ class TargetLoop:
                 break
         seq.output += new
         seq.bonus = seq.output[-1]
+        if seq.grammar is not None and seq.grammar.advance(new) != len(new):
+            # Every emitted token was sampled from a masked distribution: this is a bug.
+            log.error("request %s: an emitted token is not allowed by its constraint; the mask is dropped",
+                      seq.request_id)
+            seq.grammar = None
         seq.emit_times.append(time.perf_counter())
         seq.metrics.num_generated_tokens = len(seq.output)
         kept_logprobs = tuple(logprobs[:len(new)]) if logprobs is not None else ()
@@ -655,3 +745,16 @@ class TargetLoop:
         self._release_if_idle()
         return seq
 
+
+def _proposal_tensor(rows: list[list[int]], k: int) -> torch.Tensor:
+    """Proposal rows of up to k tokens as a [B, k] long tensor (zeros after each row's own)."""
+    out = torch.zeros(len(rows), k, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = torch.tensor(row[:k], dtype=torch.long)
+    return out
+
+
+def _grammar_outcome(seq_id: int, emitted: list[int], k: int) -> P.Outcome:
+    """What the draft learns of a round that verified the grammar's tokens, not its speculation:
+    the emitted tokens, as a bonus (nothing of its speculation accepted) and plain tokens after."""
+    return P.Outcome(seq_id, 0, emitted[0], plain=tuple(emitted[1:]), num_drafts=k, grammar=True)

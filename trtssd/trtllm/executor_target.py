@@ -127,6 +127,9 @@ def check_supported(params: SamplingParams) -> None:
     if params.logprobs is not None:
         raise ValueError("SamplingParams.logprobs must be None with the TensorRT-LLM target: its rounds do not "
                          f"return the distribution they verify with; got {params.logprobs}")
+    if params.constraint is not None:
+        raise ValueError("SamplingParams.constraint must be None with the TensorRT-LLM target: its rounds verify "
+                         "without the per-position grammar masks exactness needs")
 
 
 def sampling_config_fields(params: SamplingParams) -> dict:

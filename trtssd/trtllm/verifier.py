@@ -50,7 +50,8 @@ class TrtllmVerifier:
             shutdown()
 
     def verify(self, seqs: list[Row], proposals: torch.Tensor, probs: torch.Tensor | None,
-               point_mass: tuple[bool, ...]) -> Verified:
+               point_mass: tuple[bool, ...], num_proposals: tuple[int, ...] | None = None) -> Verified:
+        # Constrained requests are refused (check_supported), so every row verifies all K.
         rows = proposals.tolist()
         requests = [self._request(s, rows[i], None if probs is None else probs[i], point_mass[i])
                     for i, s in enumerate(seqs)]

@@ -40,12 +40,14 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False) or [tokenizer.bos_token_id or 0]
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """The prompt of one assistant turn: the tokenizer's chat template over ``messages``.
+def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The prompt of one assistant turn: the tokenizer's chat template over ``messages`` (and the
+    ``tools`` the model may call, OpenAI's definitions, where given).
     Raises ValueError when the model has no template (the template's own errors pass through)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    extra = {"tools": tools} if tools else {}
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)

@@ -16,44 +16,16 @@ import json
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from trtssd.models.tokenizer import chat_prompt_ids, encode_text
 from trtssd.sampling import MAX_LOGPROBS, MIN_TEMPERATURE, SamplingParams
-
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               405: "MethodNotAllowedError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+from trtssd.serving.openai_body import ApiError, Body, ErrorInfo, ErrorResponse  # noqa: F401 - re-exported
+from trtssd.serving.openai_structured import Structured, StructuredFields, ToolFields, ToolParsing
+from trtssd.structured.tools import template_tool_calls
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 MAX_SEED = 2**63 - 1  # SamplingParams' limit (a torch.Generator seed)
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str  # "BadRequestError", "NotFoundError", ... (ERROR_TYPES)
-    param: Optional[str]  # the request field at fault, as the user spelled it
-    code: int  # the HTTP status
-
-
-class ErrorResponse(BaseModel):
-    """Every error's body, in OpenAI's shape (/openapi.json documents it)."""
-
-    error: ErrorInfo
-
-
-class ApiError(Exception):
-    """An error answered as an `ErrorResponse` with HTTP ``status``."""
-
-    def __init__(self, status: int, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-
-    def body(self) -> dict:
-        error_type = ERROR_TYPES.get(self.status, "BadRequestError" if self.status < 500 else "InternalServerError")
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=error_type, param=self.param,
-                                             code=self.status)).model_dump()
 
 
 class Endpoint(str, enum.Enum):
@@ -83,12 +55,18 @@ class GenerationRequest:
     prompt_text: str = ""  # the prompt as text, for echo: as sent, or its token ids decoded
     logprobs: int | None = None  # what the request's own logprobs field asked (params may ask more for echo)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field, as sent
+    constraint_param: str | None = None  # the field params.constraint came from, as sent
+    tool_parsing: ToolParsing | None = None  # chat: tool calls to parse out of the answer
 
     def error_param(self, err: ValueError) -> str:
         """The request field that an engine `ValueError` (at submit) is about, by the name the user
-        sent: the engine names only its own ``field``, "prompt" or "max_tokens", when it has one."""
-        if getattr(err, "field", None) == "max_tokens" and self.max_tokens_param is not None:
+        sent: the engine names only its own ``field``, "prompt", "max_tokens" or "constraint",
+        when it has one."""
+        field = getattr(err, "field", None)
+        if field == "max_tokens" and self.max_tokens_param is not None:
             return self.max_tokens_param
+        if field == "constraint" and self.constraint_param is not None:
+            return self.constraint_param
         return "messages" if self.endpoint is Endpoint.CHAT else "prompt"
 
 
@@ -100,37 +78,52 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 OFF = "or null: the feature is not supported, only the value that turns it off is accepted"
 
 
-class _Body(BaseModel):
-    # strict: no coercion ("2" is not 2, 2.0 is not 2, 1 is not true), as the API always answered;
-    # allow_inf_nan: Python's JSON parser reads NaN and Infinity, which no sampling field takes.
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_absent(cls, data: Any) -> Any:
-        # OpenAI clients send null for a field they were not given: the default applies.
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
-
-
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: Optional[bool] = Field(True, description="a boolean: a last chunk with the usage")
 
 
-class TextPart(_Body):
+class TextPart(Body):
     type: Literal["text"]
     text: str
 
 
-class Message(_Body):
+class ToolCallFunction(Body):
+    name: str
+    arguments: Union[str, dict[str, Any]] = Field(description="the arguments as JSON text (OpenAI's) or an object")
+
+
+class MessageToolCall(Body):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class Message(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart]]
+    content: Optional[Union[str, list[TextPart]]] = None  # may be left out by an assistant message with tool_calls
+    tool_calls: Optional[list[MessageToolCall]] = None  # assistant: the calls it made
+    tool_call_id: Optional[str] = None  # tool: the call this message answers
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> "Message":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"only an assistant message has 'tool_calls'; this one's role is {self.role!r}")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("'content' is required (an assistant message may send 'tool_calls' instead)")
+        return self
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it: text content, tool calls' arguments as objects."""
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or ())
+        out: dict[str, Any] = {"role": self.role, "content": content}
+        if self.tool_calls:
+            out["tool_calls"] = template_tool_calls(c.model_dump() for c in self.tool_calls)
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
-class TextFormat(_Body):
-    type: Literal["text"]
-
-
-class _Common(_Body):
+class _Common(StructuredFields):
     """The fields both routes take. Each route's model adds its prompt and the methods
     `prompt_ids`, `output_length` and `logprobs_count` (SamplingParams.logprobs)."""
 
@@ -166,7 +159,8 @@ class _Common(_Body):
             raise ApiError(404, f"The model `{self.model}` does not exist; this server serves `{model.name}`.", "model")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
-        prompt = self.prompt_ids(model)
+        structured = self.structured(model.tokenizer)
+        prompt = self.prompt_ids(model, structured)
         echoed = self.echoed_prompt(prompt, model)
         logprobs = self.logprobs_count()
         # Echoed logprobs cover the prompt too: the prompt is scored with as many alternatives.
@@ -177,7 +171,7 @@ class _Common(_Body):
                 top_k=max(self.top_k, 0), min_p=self.min_p, seed=self.seed,  # top_k -1 is vLLM's "off", 0 ours
                 stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
                 stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-                logprobs=logprobs, prompt_logprobs=max(scored) if scored else None)
+                logprobs=logprobs, prompt_logprobs=max(scored) if scored else None, constraint=structured.constraint)
         except ValueError as err:  # a check of SamplingParams' that the fields' types do not make (yet)
             raise ApiError(400, str(err), getattr(err, "field", None)) from None
         include_usage = self.stream_options is not None and self.stream_options.include_usage
@@ -185,7 +179,7 @@ class _Common(_Body):
         sent = [name for name in ("max_completion_tokens", "max_tokens") if name in self.model_fields_set]
         return GenerationRequest(self.endpoint, prompt, params, self.stream, include_usage, self.return_token_ids,
                                  sent[0] if sent else None, echoed is not None, echoed or "", logprobs,
-                                 self.prompt_logprobs)
+                                 self.prompt_logprobs, structured.param, structured.parsing)
 
     def echoed_prompt(self, prompt: list[int], model: ModelInfo) -> str | None:
         """The prompt's text when the answer starts with it (a completion's echo), else None."""
@@ -211,7 +205,7 @@ class CompletionRequest(_Common):
     suffix: Optional[Literal[""]] = Field(None, description=f'"" {OFF}')
     best_of: Optional[Literal[1]] = Field(None, description=f"1 {OFF}")
 
-    def prompt_ids(self, model: ModelInfo) -> list[int]:
+    def prompt_ids(self, model: ModelInfo, structured: Structured) -> list[int]:
         prompt = self._one_prompt()
         if isinstance(prompt, list):
             return list(prompt)
@@ -240,31 +234,31 @@ class CompletionRequest(_Common):
         return self.prompt
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(_Common, ToolFields):
     """POST /v1/chat/completions."""
 
     endpoint: ClassVar[Endpoint] = Endpoint.CHAT
 
     messages: list[Message] = Field(
         min_length=1, description="a non-empty list of {role, content} objects: role is system, developer, user, "
-        "assistant or tool; content a string or a list of {type: 'text', text} parts (only text is supported)")
+        "assistant or tool; content a string or a list of {type: 'text', text} parts (only text is supported); "
+        "an assistant message may carry tool_calls, a tool message its tool_call_id")
     max_tokens: Optional[int] = Field(None, ge=1, description="an integer >= 1; default: what the context leaves")
     max_completion_tokens: Optional[int] = Field(
         None, ge=1, description="an integer >= 1: max_tokens by its newer name, which wins over it")
     logprobs: Optional[bool] = Field(False, description="a boolean: each output token's logprob")
     top_logprobs: Optional[int] = Field(
         None, ge=0, le=MAX_LOGPROBS, description=f"an integer in [0, {MAX_LOGPROBS}], with logprobs: true")
-    tools: Optional[list[Any]] = Field(None, max_length=0, description=f"[] {OFF}")
-    tool_choice: Optional[Literal["none"]] = Field(None, description=f'"none" {OFF}')
-    response_format: Optional[TextFormat] = Field(None, description=f'{{"type": "text"}} {OFF}')
 
-    def prompt_ids(self, model: ModelInfo) -> list[int]:
-        plain = [{"role": m.role, "content": m.content if isinstance(m.content, str)
-                  else "".join(part.text for part in m.content)} for m in self.messages]
+    def prompt_ids(self, model: ModelInfo, structured: Structured) -> list[int]:
         if model.tokenizer is None or not getattr(model.tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template: use /v1/completions", "messages")
         try:
-            return chat_prompt_ids(model.tokenizer, plain)
+            plain = [m.for_template() for m in self.messages]
+        except ValueError as err:  # a tool call's arguments that are not JSON
+            raise ApiError(400, f"'messages': {err}", "messages") from None
+        try:
+            return chat_prompt_ids(model.tokenizer, plain, list(structured.tools or ()))
         except Exception as err:  # noqa: BLE001 - the template's own complaint (e.g. role order) is the message
             raise ApiError(400, f"the chat template rejected 'messages': {err}", "messages") from None
 

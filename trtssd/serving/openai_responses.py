@@ -30,6 +30,7 @@ from typing import Sequence
 from trtssd.runtime.output_processor import Delta, RequestOutput
 from trtssd.sampling import TokenLogprob
 from trtssd.serving.openai_requests import Endpoint, GenerationRequest
+from trtssd.structured.tools import ToolCall, ToolStreamParser, parse_tool_calls
 
 DONE = "data: [DONE]\n\n"
 
@@ -50,6 +51,10 @@ class Responder:
         self._created = int(time.time())
         self._model = model
         self._offset = 0  # characters of token text before the next token (text_offset)
+        parsing = req.tool_parsing if self.chat else None
+        # A chat with tools: the answer's text split into content and calls as it streams.
+        self._tools: ToolStreamParser | None = (None if parsing is None
+                                                else parsing.format.stream_parser(parsing.max_calls))
 
     def full(self, final: RequestOutput) -> dict:
         """The non-streaming answer."""
@@ -60,8 +65,11 @@ class Responder:
         if req.logprobs is not None:
             output = self._logprobs(final.logprobs)
             lp = output if lp is None else {key: lp[key] + output[key] for key in lp}
-        content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-        choice = self._choice(content, lp, final.finish_reason, final.token_ids)
+        content = {"message": self._message(text)} if self.chat else {"text": text}
+        finish_reason = final.finish_reason
+        if self.chat and content["message"].get("tool_calls"):
+            finish_reason = _calls_finish(finish_reason)
+        choice = self._choice(content, lp, finish_reason, final.token_ids)
         out = {**self._fields(chunk=False), "choices": [choice], "usage": final.usage}
         if req.return_token_ids:
             out["prompt_token_ids"] = list(req.prompt)
@@ -80,16 +88,35 @@ class Responder:
         self._add_prompt_logprobs(out, entries)
         return out
 
-    def delta_chunk(self, delta: Delta) -> dict:
-        return self.chunk(delta.text, delta.token_ids, logprobs=self._logprobs(delta.logprobs))
+    def delta_chunks(self, delta: Delta) -> list[dict]:
+        """A step's chunks: its tokens' text (and ids and logprobs when asked for); with tools,
+        the text outside calls, then each call completed by these tokens."""
+        logprobs = self._logprobs(delta.logprobs)
+        if self._tools is None:
+            return [self.chunk(delta.text, delta.token_ids, logprobs=logprobs)]
+        pieces = self._tools.feed(delta.text)
+        return [self.chunk(_text_of(pieces), delta.token_ids, logprobs=logprobs), *self._call_chunks(pieces)]
+
+    def closing_chunks(self, finish_reason: str) -> list[dict]:
+        """The stream's last choice chunks: what the tool parser held (text, an unclosed call),
+        then the finish reason ("tool_calls" where calls were made)."""
+        if self._tools is None:
+            return [self.chunk(finish_reason=finish_reason)]
+        pieces = self._tools.finish()
+        out = [self.chunk(_text_of(pieces))] if _text_of(pieces) else []
+        out += self._call_chunks(pieces)
+        reason = _calls_finish(finish_reason) if self._tools.num_calls else finish_reason
+        return out + [self.chunk(finish_reason=reason)]
 
     def chunk(self, text: str = "", token_ids=(), finish_reason: str | None = None, role: bool = False,
-              logprobs: dict | None = None) -> dict:
+              logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
         """One streamed choice: new tokens' text (and ids and logprobs when asked for), the chat's
-        role, or the finish reason alone."""
+        role, tool calls, or the finish reason alone."""
         if self.chat:
             closing = finish_reason is not None and not text
             delta = {"role": "assistant", "content": text} if role else ({} if closing else {"content": text})
+            if tool_calls:
+                delta = {"tool_calls": tool_calls}
             content = {"delta": delta}
         else:
             content = {"text": text}
@@ -111,6 +138,23 @@ class Responder:
         if self.req.return_token_ids:
             choice["token_ids"] = list(token_ids)
         return choice
+
+    def _message(self, text: str) -> dict:
+        """A chat answer's message: its text, or with tools the text outside calls and the calls."""
+        if self.req.tool_parsing is None:
+            return {"role": "assistant", "content": text}
+        parsed = parse_tool_calls(text, self.req.tool_parsing.format, self.req.tool_parsing.max_calls)
+        message = {"role": "assistant", "content": parsed.content}
+        if parsed.calls:
+            message["tool_calls"] = [call.as_openai() for call in parsed.calls]
+        return message
+
+    def _call_chunks(self, pieces) -> list[dict]:
+        """One chunk per call completed, each ``delta.tool_calls`` item with its index (the call's
+        place in the answer), id, name and whole arguments."""
+        calls = [p for p in pieces if isinstance(p, ToolCall)]
+        first = self._tools.num_calls - len(calls)
+        return [self.chunk(tool_calls=[call.as_openai(first + i)]) for i, call in enumerate(calls)]
 
     def _token_text(self, token_id: int) -> str:
         """One token's text, as logprobs name it (vLLM's "token_id:N" without a tokenizer)."""
@@ -167,3 +211,12 @@ class Responder:
                     scored.setdefault(str(t), item(t, lp, rank))
             listed.append(scored)
         (out if self.chat else out["choices"][0])["prompt_logprobs"] = listed
+
+
+def _text_of(pieces) -> str:
+    return "".join(p.text for p in pieces if not isinstance(p, ToolCall))
+
+
+def _calls_finish(finish_reason: str) -> str:
+    """A finished answer that made calls ends with "tool_calls", as OpenAI's; "length" stays."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason

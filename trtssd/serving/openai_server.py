@@ -30,6 +30,7 @@ from trtssd.serving.openai_requests import (ApiError, ChatCompletionRequest, Com
                                            GenerationRequest, ModelInfo, validation_error)
 from trtssd.serving.openai_responses import DONE, Responder, sse
 from trtssd.serving.prometheus_metrics import CONTENT_TYPE, ServerMetrics
+from trtssd.structured.constraint import ConstraintError
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +107,27 @@ class OpenAIServer:
 
     async def _generate(self, body: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
         req = body.to_generation_request(self.model)
+        await self._check_constraint(req)
         stream = self._submit(req)
         responder = Responder(req, self.model.name, self.model.tokenizer)
         if req.stream:
             return StreamingResponse(self._events(stream, responder), media_type="text/event-stream")
         return JSONResponse(responder.full(await self._collect(stream, request)))
+
+    async def _check_constraint(self, req: GenerationRequest) -> None:
+        """Compile the request's constraint on a worker thread, off the event loop and the target's
+        cores; a constraint the grammar engine refuses is a 400 naming the field it came from. The
+        compiled grammar is cached, so the loop's own check at submit finds it."""
+        constraint = req.params.constraint
+        if constraint is None:
+            return
+        grammars = self.async_llm.loop.grammars
+        if grammars is None:
+            raise ApiError(400, "this model has no tokenizer: constraints cannot be served", req.constraint_param)
+        try:
+            await asyncio.to_thread(grammars.check, constraint)
+        except ConstraintError as err:
+            raise ApiError(400, f"invalid '{req.constraint_param}': {err}", req.constraint_param) from None
 
     def _submit(self, req: GenerationRequest) -> RequestStream:
         try:
@@ -136,8 +153,10 @@ class OpenAIServer:
                 # Every step's new tokens go out at once, as vLLM streams them, even when their text
                 # is empty (a special token, or text held back): a client sees each token's time.
                 if delta.text or delta.token_ids:
-                    yield sse(responder.delta_chunk(delta))
-            yield sse(responder.chunk(finish_reason=stream.final.finish_reason))
+                    for chunk in responder.delta_chunks(delta):
+                        yield sse(chunk)
+            for chunk in responder.closing_chunks(stream.final.finish_reason):
+                yield sse(chunk)
             if responder.req.include_usage:
                 yield sse(responder.usage_chunk(stream.final))
         except LoopStopped as err:

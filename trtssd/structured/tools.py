@@ -148,8 +148,9 @@ class ToolStreamParser:
 
     Text that may be the start of a call's opening tag is held until it is known not to be; a
     call is given out whole once its closing tag arrives (or at `finish`, when the output ended
-    inside it). Whitespace alone is held too and dropped at a call or at the end, so the newline
-    between calls and around them is not answered as content. A call whose body is not a call's
+    inside it). Trailing whitespace is held too, and dropped at a call (and at the end of an
+    answer that made calls), so the newlines between and around calls are not answered as
+    content; the same text fed whole or in any pieces splits the same way. A call whose body is not a call's
     JSON is given out as text, as the model wrote it. ``max_calls``: calls past it are dropped
     (parallel_tool_calls false)."""
 
@@ -188,16 +189,20 @@ class ToolStreamParser:
         if self._in_call:
             self._in_call = False
             return self._call(rest, unclosed=True)
-        return self._text(rest)
+        out = self._text(rest)
+        held, self._space = self._space, ""
+        if held and not self.num_calls:  # a text answer keeps its whitespace; around calls it is dropped
+            out.append(TextPiece(held))
+        return out
 
     def _text(self, text: str) -> list[Piece]:
-        if not text:
-            return []
-        if not text.strip():
+        """Text, less its trailing whitespace, which is held until more text follows."""
+        body = text.rstrip()
+        if not body:
             self._space += text
             return []
-        held, self._space = self._space, ""
-        return [TextPiece(held + text)]
+        held, self._space = self._space, text[len(body):]
+        return [TextPiece(held + body)]
 
     def _call(self, body: str, unclosed: bool = False) -> list[Piece]:
         call = self.fmt.parse_body(body.strip())

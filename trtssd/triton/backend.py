@@ -31,7 +31,8 @@ from trtssd.serving.async_llm import AsyncLLM, LoopStopped, Overloaded, RequestS
 from trtssd.triton.metrics import TritonMetrics
 from trtssd.triton.model_options import ModelOptions
 from trtssd.triton.tensors import INPUTS
-from trtssd.triton.triton_requests import GenerateRequest, parse_request
+from trtssd.structured.constraint import ConstraintError
+from trtssd.triton.triton_requests import GUIDE_INPUT, GenerateRequest, parse_request
 from trtssd.triton.triton_responses import output_arrays
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class TritonModel:
 
     async def _serve(self, job: GenerateRequest, sender) -> None:
         try:
+            await self._check_constraint(job)
             stream = self.async_llm.submit(job.prompt_ids, job.params)
         except ValueError as err:  # the loop's own checks: prompt + max_tokens within max_seq_len
             self._send_error(sender, str(err), self.pb.TritonError.INVALID_ARG)
@@ -120,6 +122,18 @@ class TritonModel:
             self._send_error(sender, str(err), self.pb.TritonError.UNAVAILABLE)
         finally:
             del self._open[stream.request_id]
+
+    async def _check_constraint(self, job: GenerateRequest) -> None:
+        """Compile the request's constraint on a worker thread (off this model's event loop and
+        the target's cores); cached, so the loop's own check at submit finds it. ValueError
+        naming the guide input when the grammar engine refuses it."""
+        grammars = self.async_llm.loop.grammars
+        if job.params.constraint is None or grammars is None:
+            return  # without a tokenizer the loop's check refuses it
+        try:
+            await asyncio.to_thread(grammars.check, job.params.constraint)
+        except ConstraintError as err:
+            raise ValueError(f"invalid '{GUIDE_INPUT}': {err}") from None
 
     async def _respond(self, job: GenerateRequest, request: _Open) -> None:
         generated, cum_log_prob = 0, 0.0

@@ -7,7 +7,7 @@ The names are the ones existing Triton LLM clients send and read: vLLM's Triton 
 (the optional scalars ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
 ``stop_words``; its speculation outputs ``acceptance_rate``, ``total_accepted_draft_tokens``,
 ``total_draft_tokens``; ``output_ids``; ``return_log_probs`` -> ``output_log_probs``,
-``cum_log_probs``). So ``vllm bench serve --backend tensorrt-llm`` and clients written for either
+``cum_log_probs``; guided decoding: ``guided_decoding_guide_type``, ``guided_decoding_guide``). So ``vllm bench serve --backend tensorrt-llm`` and clients written for either
 backend work unchanged.
 
 Where the shapes differ from TensorRT-LLM's: its models batch (``max_batch_size`` > 0), so a client
@@ -49,6 +49,10 @@ INPUTS = (
     TensorDef("ignore_eos", "TYPE_BOOL", (1,), True, "keep generating past end-of-sequence (benchmarks)"),
     TensorDef("return_log_probs", "TYPE_BOOL", (1,), True,
                "true: add output_log_probs and cum_log_probs to every response"),
+    TensorDef("guided_decoding_guide_type", "TYPE_STRING", (1,), True,
+               "the output's constraint: json (any JSON object), json_schema, regex or ebnf_grammar"),
+    TensorDef("guided_decoding_guide", "TYPE_STRING", (1,), True,
+               "the constraint's schema, regex or EBNF grammar (none for json)"),
 )
 
 OUTPUTS = (

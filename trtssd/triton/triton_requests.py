@@ -15,6 +15,11 @@ engine then computes each chosen token's value and no alternatives, since no out
 vLLM's ``logprobs`` key (a number of alternatives) is checked, so its clients are not refused,
 but it asks for nothing: vLLM's backend returns them only on its own ``logprobs`` output (a
 JSON string with each alternative's rank and decoded text), which this model does not have.
+
+A constraint on the output comes as TensorRT-LLM's backend takes one: ``guided_decoding_guide_type``
+(json, json_schema, regex, ebnf_grammar) and ``guided_decoding_guide`` (the schema, regex or
+grammar). Its form is checked here; whether the grammar engine compiles it, by the model before
+the request runs (an INVALID_ARG naming the input either way).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import numpy as np
 
 from trtssd.models.tokenizer import encode_text
 from trtssd.sampling import SamplingParams
+from trtssd.structured.constraint import Constraint, ConstraintError
 from trtssd.triton.tensors import SAMPLING_INPUTS
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's (and its Triton backend's) default
@@ -34,6 +40,11 @@ DEFAULT_MAX_TOKENS = 16  # vLLM's (and its Triton backend's) default
 # The keys of ``sampling_parameters`` and their types (vLLM's names; top_k -1 means off, as there).
 SAMPLING_KEYS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float,
                  "seed": int, "stop": list, "stop_token_ids": list, "ignore_eos": bool, "logprobs": int}
+
+# guided_decoding_guide_type -> how its guide becomes a Constraint (TensorRT-LLM's names).
+GUIDE_TYPES = {"json": None, "json_schema": Constraint.json_schema, "regex": Constraint.regex,
+               "ebnf_grammar": Constraint.grammar}
+GUIDE_TYPE_INPUT, GUIDE_INPUT = "guided_decoding_guide_type", "guided_decoding_guide"
 
 
 @dataclass(frozen=True)
@@ -57,8 +68,41 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict, tokenizer) ->
     settings.update(_scalar_inputs(inputs))
     return_log_probs = _bool(inputs, "return_log_probs", False)
     # After its checks the `logprobs` key is dropped (see above): only the flag asks the engine.
-    params = dataclasses.replace(_params(settings), logprobs=0 if return_log_probs else None)
+    params = dataclasses.replace(_params(settings), logprobs=0 if return_log_probs else None,
+                                 constraint=_constraint(inputs))
     return GenerateRequest(text, _encode(text, tokenizer), params, stream, prepend_input, return_log_probs)
+
+
+def _constraint(inputs: dict[str, np.ndarray]) -> Constraint | None:
+    """The guided-decoding inputs as a Constraint (None without a guide type)."""
+    if GUIDE_TYPE_INPUT not in inputs:
+        if GUIDE_INPUT in inputs:
+            raise ValueError(f"'{GUIDE_INPUT}' needs '{GUIDE_TYPE_INPUT}': one of {', '.join(GUIDE_TYPES)}")
+        return None
+    kind = _one_string(inputs, GUIDE_TYPE_INPUT)
+    if kind == "structural_tag":
+        raise ValueError(f"'{GUIDE_TYPE_INPUT}' structural_tag is not supported; supported: {', '.join(GUIDE_TYPES)}")
+    if kind not in GUIDE_TYPES:
+        raise ValueError(f"'{GUIDE_TYPE_INPUT}' must be one of {', '.join(GUIDE_TYPES)}; got {kind!r}")
+    guide = _one_string(inputs, GUIDE_INPUT) if GUIDE_INPUT in inputs else None
+    if kind == "json":
+        if guide:
+            raise ValueError(f"'{GUIDE_INPUT}' is not used with '{GUIDE_TYPE_INPUT}' json (any JSON object): send "
+                             "json_schema to constrain the output by a schema")
+        return Constraint.json_object()
+    if not guide:
+        raise ValueError(f"'{GUIDE_TYPE_INPUT}' {kind} needs '{GUIDE_INPUT}': the {kind.replace('_', ' ')}")
+    try:
+        return GUIDE_TYPES[kind](guide)
+    except ConstraintError as err:
+        raise ValueError(f"invalid '{GUIDE_INPUT}': {err}") from None
+
+
+def _one_string(inputs: dict[str, np.ndarray], name: str) -> str:
+    values = inputs[name].reshape(-1)
+    if values.size != 1:
+        raise ValueError(f"'{name}' must hold one string; got {values.size}")
+    return _string(values[0], name)
 
 
 def _text_input(inputs: dict[str, np.ndarray]) -> str:

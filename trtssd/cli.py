@@ -8,25 +8,32 @@ import logging
 import sys
 from pathlib import Path
 
-from trtssd.cli_options import add_engine_options, add_model_options, engine_options
+from trtssd.cli_options import (add_constraint_options, add_engine_options, add_model_options, cli_constraint,
+                                 engine_options)
 from trtssd.config import ModelRef
 
 log = logging.getLogger("trtssd")
 
 
 def _generate(args: argparse.Namespace) -> int:
-    models, options = _models(args), engine_options(args)  # usage errors before the slow imports
+    # Usage errors before the slow imports.
+    models, options, (constraint, constraint_flag) = _models(args), engine_options(args), cli_constraint(args)
     from trtssd.llm import LLM
     from trtssd.sampling import SamplingParams
 
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
-        seed=args.seed, stop=tuple(args.stop or ()),
+        seed=args.seed, stop=tuple(args.stop or ()), constraint=constraint,
     )
     with LLM(args.engine, launch=args.launch, **models, **options) as llm:
         mode = llm.spec.mode.value
         prompts = args.prompt or ["Write a Python function that returns the n-th Fibonacci number."]
-        outs = llm.generate(prompts, params)
+        try:
+            outs = llm.generate(prompts, params)
+        except ValueError as err:  # the grammar engine's verdict on the constraint names its option
+            if getattr(err, "field", None) == "constraint":
+                raise ValueError(f"argument {constraint_flag}: {err}") from None
+            raise
         aggregate = llm.metrics.summary()
     if args.json:
         payload = [
@@ -198,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     _add_launch_option(g)
     g.add_argument("--json", action="store_true", help="print text, token ids and metrics as JSON")
+    add_constraint_options(g)
     add_engine_options(g)  # the same engine options as serve, triton-repo and bench
     g.set_defaults(func=_generate)
 

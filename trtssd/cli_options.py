@@ -2,7 +2,10 @@
 SpeculativeConfig and RuntimeConfig (trtssd/config.py), named after the field (``max_seq_len`` ->
 ``--max-seq-len``), typed by it and helped by its ``help`` metadata. Every command that starts an
 engine declares them through `add_engine_options` and reads them back with `engine_options`, so a
-new field reaches all of them at once and no two can drift apart."""
+new field reaches all of them at once and no two can drift apart.
+
+The output constraint options (``--json-schema``, ``--json-object``, ``--regex``, ``--choice``,
+``--grammar``: one at most) are declared by `add_constraint_options` and read by `cli_constraint`."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import typing
 from typing import Any, Callable
 
 from trtssd.config import RuntimeConfig, SpeculativeConfig, speculative_config
+from trtssd.structured.constraint import Constraint, ConstraintError
 
 # Each config's options in a group of their own, titled for `--help`.
 ENGINE_CONFIGS = {
@@ -105,3 +109,53 @@ def _int_list(word: str | None) -> Callable[[str], str | tuple[int, ...]]:
             expected = f"{word!r} or comma-separated integers" if word else "comma-separated integers"
             raise argparse.ArgumentTypeError(f"expected {expected}; got {text!r}") from None
     return parse
+
+
+def add_constraint_options(parser: argparse.ArgumentParser) -> None:
+    """The options that constrain the output (trtssd.Constraint); at most one of them."""
+    group = parser.add_argument_group("output constraint (one at most)").add_mutually_exclusive_group()
+    group.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
+                       help="the output is JSON following this schema (a file, or the schema's JSON text)")
+    group.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    group.add_argument("--regex", default=None, help="the output matches this regular expression")
+    group.add_argument("--choice", action="append", default=None, help="the output is one of these strings "
+                       "(repeat: --choice yes --choice no)")
+    group.add_argument("--grammar", default=None, metavar="FILE",
+                       help="the output follows this EBNF grammar file (xgrammar's dialect, root rule 'root')")
+
+
+def cli_constraint(args: argparse.Namespace) -> tuple[Constraint | None, str | None]:
+    """The constraint the options ask for and the option it came from; ValueError naming the
+    option when its value is not one (the grammar engine's own check comes at admission)."""
+    try:
+        if args.json_schema is not None:
+            return Constraint.json_schema(_file_or_text(args.json_schema, "--json-schema")), "--json-schema"
+        if args.json_object:
+            return Constraint.json_object(), "--json-object"
+        if args.regex is not None:
+            return Constraint.regex(args.regex), "--regex"
+        if args.choice is not None:
+            return Constraint.choice(args.choice), "--choice"
+        if args.grammar is not None:
+            return Constraint.grammar(_read(args.grammar, "--grammar")), "--grammar"
+    except ConstraintError as err:
+        flag_name = next(f for f in ("--json-schema", "--regex", "--choice", "--grammar")
+                         if getattr(args, f[2:].replace("-", "_")) is not None)
+        raise ValueError(f"argument {flag_name}: {err}") from None
+    return None, None
+
+
+def _file_or_text(value: str, flag_name: str) -> str:
+    """A file's text when ``value`` names one, else ``value`` itself (inline JSON)."""
+    stripped = value.lstrip()
+    if stripped.startswith("{") or stripped in ("true", "false"):
+        return value
+    return _read(value, flag_name)
+
+
+def _read(path: str, flag_name: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as err:
+        raise ValueError(f"argument {flag_name}: cannot read {path!r}: {err.strerror}") from None

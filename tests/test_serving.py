@@ -221,7 +221,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_to
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
      r"integer in \[0, 20\]"),
     ("/v1/chat/completions", {**CHAT, "logprobs": 1}, 400, "logprobs", "'logprobs' must be a boolean"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools", "the feature is not supported"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools", r"'tools\[0\]\.function': Field required"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages",
      r"'messages\[0\]\.role': Input should be 'system', 'developer', 'user', 'assistant' or 'tool'"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,

@@ -5,9 +5,9 @@ bounded cache keyed by the constraint, shared by every request that sends the sa
 `GrammarState` follows one output token by token: which tokens may come next (a bitmask), the
 text the grammar forces next, fork and rollback for speculation's branches and verify chains.
 
-Why xgrammar: on Qwen2.5's 151,936-token vocabulary its next-token mask costs 1.7 us at the median
-(45 us at p90) against llguidance's 28 us (131 us), a fork 17 us against llguidance's deep copy
-44 us; both roll back and fork (docs/bench/grammar-engine-mask-cost/).
+Why xgrammar: on Qwen2.5's 151,936-token vocabulary its next-token mask costs 1.8 us at the median
+(47 us at p90) against llguidance's 24 us (136 us); a fork costs both about 3 us, and both roll
+back (docs/bench/grammar-engine-mask-cost/results.json).
 
 JSON is generated on one line with ", " and ": " between items (``JSON_SEPARATORS``): valid JSON,
 the layout models write inline, and no optional whitespace, so the text between values (quotes,
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from typing import Any, Sequence
@@ -46,11 +47,13 @@ class Grammars:
     server's thread, the loop starts states on its own."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int] | None = None,
-                 cache_size: int = CACHE_SIZE):
+                 cache_size: int = CACHE_SIZE, tokenizer_info: Any = None):
         """``tokenizer``: a transformers tokenizer, or a callable returning one (loaded at the
         first constraint: a process that never sees one never pays for it). ``stop_token_ids``:
         the tokens that end an output (None: the tokenizer's EOS); a finished grammar allows
-        only them."""
+        only them. ``tokenizer_info``: xgrammar's description of the vocabulary, where it is not
+        a transformers tokenizer's (then ``tokenizer`` only needs ``encode``)."""
+        self._info = tokenizer_info
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._stop_token_ids = stop_token_ids
@@ -71,13 +74,16 @@ class Grammars:
         with self._lock:
             if self._compiler is None:
                 xgr = _xgrammar()
-                tok = self.tokenizer
-                stops = self._stop_token_ids
-                if stops is None:
-                    stops = [] if tok.eos_token_id is None else [int(tok.eos_token_id)]
-                info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size, stop_token_ids=list(stops) or None)
+                info = self._info or self._tokenizer_info(xgr)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
+
+    def _tokenizer_info(self, xgr):
+        tok = self.tokenizer
+        stops = self._stop_token_ids
+        if stops is None:
+            stops = [] if tok.eos_token_id is None else [int(tok.eos_token_id)]
+        return xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size, stop_token_ids=list(stops) or None)
 
     def check(self, constraint: Constraint) -> None:
         """Raise ConstraintError saying what is wrong when the constraint cannot be compiled."""
@@ -141,8 +147,10 @@ def _check_schema(schema: Any) -> None:
 
 
 def _first_line(err: Exception) -> str:
+    """The error's first line without xgrammar's log prefix ("[hh:mm:ss] /path/file.cc:94: ")."""
     text = str(err).strip() or type(err).__name__
-    return text.splitlines()[0][:300]
+    line = text.splitlines()[0]
+    return re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", line)[:300]
 
 
 class GrammarState:

@@ -6,6 +6,10 @@ import pytest
 # tests/ helpers (tiny_models) importable from every test module
 sys.path.insert(0, str(Path(__file__).parent))
 
+# `pytest --fast`: the fast tier's option, selection and guard (tests/fast_tier.py).
+from fast_tier import (  # noqa: E402, F401
+    fast_tier_guard, pytest_addoption, pytest_collection_modifyitems, pytest_runtest_setup)
+
 
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:

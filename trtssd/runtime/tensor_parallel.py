@@ -30,7 +30,8 @@ torch.distributed TCPStore that rank 0 serves on the loopback. No MPI is involve
 NCCL need only the store, a follower then creates no MPICH shared-memory segment or hydra file
 that a killed process would leave behind, and a dead follower cannot take rank 0 down with it,
 as MPICH ends every process of an MPI job when one dies. Under ``mpiexec -n T+1`` (launch
-"world") the same would hold for no rank, so tensor_parallel_size > 1 is refused there.
+"world") the followers are ranks 1..T-1 of that job instead (trtssd/runtime/world.py), and a
+dead rank ends the whole job, as MPICH does.
 
 Failures. A follower that exits (killed, crashed) is noticed before rank 0 sends a forward, or
 inside one (gloo reports the closed connection at once); a stopped one after

@@ -179,10 +179,9 @@ def constrained(logits: torch.Tensor, seqs: list[Sequence], chains: list[list[in
     if not rows:
         return logits
     t0 = time.perf_counter()
-    out = logits.clone()
     n, vocab = logits.shape[1], logits.shape[2]
-    for i in rows:
-        out[i] = apply_bitmask(logits[i], chain_bitmask(seqs[i].grammar, chains[i], n, vocab))
+    out = torch.stack([apply_bitmask(logits[i], chain_bitmask(s.grammar, chains[i], n, vocab))
+                       if s.grammar is not None else logits[i] for i, s in enumerate(seqs)])
     spent = (time.perf_counter() - t0) / len(rows)
     for i in rows:
         seqs[i].metrics.grammar_mask_time_s += spent
@@ -527,7 +526,9 @@ class TargetLoop:
 
     def _ar_round(self, outputs: list[StepOutput]) -> None:
         """One plain target step for every running row: chosen by load control while the draft
-        is there (its rows catch up through the next outcome), or because the draft is lost."""
+        is there (its rows catch up through the next outcome), or because the draft is lost. A
+        constrained row whose grammar forces text verifies its forced tokens in the same forward
+        (outside ar mode, whose rounds are the reference: one token per forward)."""
         t0, u0 = time.perf_counter(), self._upkeep_s()
         seqs = self.running
         chosen = self.speculating
@@ -543,6 +544,7 @@ class TargetLoop:
         else:
             result = self.verifier.plain(seqs)
             forced = [[] for _ in seqs]
+        total_emitted = 0
         for i, (seq, n, tok) in enumerate(zip(seqs, result.num_accepted, result.bonus)):
             seq.spec_streak = 0
             emitted = forced[i][:n] + [tok]
@@ -552,10 +554,11 @@ class TargetLoop:
             elif self.spec.mode is not Mode.AR:
                 seq.metrics.degraded_rounds += 1
             kept = self._emit(seq, emitted, outputs, result.logprobs[i] if result.logprobs else None)
+            total_emitted += kept
             if forced[i]:
                 seq.metrics.record_grammar_round(len(forced[i]), min(n, kept))
-        if chosen:
-            self.chooser.observe(False, len(seqs), len(seqs), self._round_s(t0, u0), steady=steady)
+        if chosen:  # forced tokens count: load control weighs plain rounds by what they emit
+            self.chooser.observe(False, len(seqs), total_emitted, self._round_s(t0, u0), steady=steady)
 
     def _speculative_round(self, outputs: list[StepOutput]) -> None:
         seqs = [s for s in self.running if s.on_draft]

@@ -111,6 +111,14 @@ METRICS = (
     _counter("degraded_rounds", "trtssd:degraded_rounds", "Rounds decoded without the draft (lost draft: ar mode)."),
     _counter("plain_rounds", "trtssd:plain_rounds",
              "Rounds load control decoded plainly because that measured faster."),
+    _counter("grammar_rounds", "trtssd:structured_output_forced_rounds",
+             "Rows' rounds that verified the tokens a constraint's grammar forced (structured outputs)."),
+    _counter("grammar_proposed_tokens", "trtssd:structured_output_forced_tokens",
+             "Tokens a constraint's grammar forced and proposed (verified like a draft's proposals)."),
+    _counter("grammar_accepted_tokens", "trtssd:structured_output_forced_accepted_tokens",
+             "Forced tokens accepted and emitted."),
+    _counter("grammar_mask_time_s", "trtssd:structured_output_mask_seconds",
+             "Seconds the target spent computing constraints' token masks (every position of every chain)."),
     # gauges, read from the engine rather than from finished requests
     _gauge("num_running", "vllm:num_requests_running", "Requests in the running batch."),
     _gauge("num_waiting", "vllm:num_requests_waiting", "Requests accepted and waiting to run."),
@@ -120,7 +128,8 @@ METRICS = (
 
 # Unlabelled counters that are the sum of the SpeculationMetrics field of the same name.
 _SPEC_TOTALS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "cache_hits", "cache_misses",
-                "accepted_on_hit", "accepted_on_miss", "tree_branches", "degraded_rounds", "plain_rounds")
+                "accepted_on_hit", "accepted_on_miss", "tree_branches", "degraded_rounds", "plain_rounds",
+                "grammar_rounds", "grammar_proposed_tokens", "grammar_accepted_tokens", "grammar_mask_time_s")
 
 
 def series_from_start(k: int) -> tuple[tuple[str, str], ...]:

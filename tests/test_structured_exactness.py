@@ -95,11 +95,22 @@ def exact_marginals(grammars: Grammars, target: torch.Tensor, params: SamplingPa
     return marginals, pairs
 
 
-def _draft_chain(state, draft: torch.Tensor, last: int, masked: bool, params: SamplingParams, u: torch.Tensor):
-    """K proposals sampled from the draft (masked by the grammar, or free), and their q rows."""
+def _draft_chain(state, draft: torch.Tensor, last: int, masked: bool, params: SamplingParams, u: torch.Tensor,
+                 take_forced: bool = False):
+    """K proposals sampled from the draft (masked by the grammar, or free), and their q rows.
+    ``take_forced``: text the grammar forces is taken as its tokens with a one-hot q, as the draft
+    rank's just-in-time chains do."""
     fork = state.fork()
     tokens, qs = [], []
     for d in range(K):
+        if take_forced and len(tokens) < K:
+            for tok in fork.forced_tokens(K - len(tokens)):
+                assert fork.accept(tok)
+                tokens.append(tok)
+                qs.append(torch.nn.functional.one_hot(torch.tensor(tok), V).float())
+                last = tok
+        if len(tokens) == K:
+            break
         bitmask = new_bitmask(1, V)
         if masked:
             fork.fill(bitmask, 0)
@@ -116,8 +127,9 @@ def _draft_chain(state, draft: torch.Tensor, last: int, masked: bool, params: Sa
 def simulate(grammars: Grammars, target: torch.Tensor, draft: torch.Tensor, params: SamplingParams,
              proposer: str, masks=chain_bitmask, seed: int = 0, rows: int | None = None) -> torch.Tensor:
     """Speculative rounds of N rows until each has K + 1 tokens -> [N, K + 1]. ``proposer``:
-    "masked" or "free" draft (ratio rows), or "forced" (the grammar's forced tokens as point
-    masses where it forces text, else the masked draft). ``masks``: how the target's chain of
+    "masked" or "free" draft (ratio rows), "forced" (the grammar's forced tokens as point
+    masses where it forces text, else the masked draft), or "draft-forced" (a masked draft chain
+    that takes forced text as one-hot q rows, as the draft rank's chains do). ``masks``: how the target's chain of
     masks is made (the real chain_bitmask, or a mutant)."""
     torch.manual_seed(seed)
     rows = rows or N
@@ -130,7 +142,8 @@ def simulate(grammars: Grammars, target: torch.Tensor, draft: torch.Tensor, para
         for j, r in enumerate(active):
             last = out[r][-1] if out[r] else X0
             forced = states[r].forced_tokens(K) if proposer == "forced" else []
-            tokens, q = _draft_chain(states[r], draft, last, proposer != "free", params, draft_u[j])
+            tokens, q = _draft_chain(states[r], draft, last, proposer != "free", params, draft_u[j],
+                                     take_forced=proposer == "draft-forced")
             if forced:
                 tokens = forced + [0] * (K - len(forced))
             proposals.append(tokens)
@@ -176,7 +189,7 @@ SAMPLED = SamplingParams(temperature=1.0)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("proposer", ["masked", "free", "forced"])
+@pytest.mark.parametrize("proposer", ["masked", "free", "forced", "draft-forced"])
 def test_sampled_speculation_has_the_masked_distribution_at_every_position(grammars, proposer):
     target, draft = _tables(1)
     check = _check(grammars, target, SAMPLED, simulate(grammars, target, draft, SAMPLED, proposer, seed=2))
@@ -215,7 +228,7 @@ def test_greedy_speculation_equals_constrained_greedy_decoding(grammars):
             last = int(apply_bitmask(target[last][None], bitmask)[0].argmax())
             plain.append(last)
             assert state.accept(last)
-        for proposer in ("masked", "free", "forced"):
+        for proposer in ("masked", "free", "forced", "draft-forced"):
             out = simulate(grammars, target, draft, greedy, proposer, seed=seed, rows=4)
             assert all(row == plain for row in out.tolist()), (seed, proposer)
 

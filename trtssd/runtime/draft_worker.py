@@ -323,21 +323,55 @@ class DraftWorker:
     # --- drafting ----------------------------------------------------------------------------
 
     def _draft_chains(self, seqs: list[DraftSequence], outcomes: list[Outcome]) -> Drafts:
-        """Just-in-time drafting of K tokens per sequence, batched (K forwards): sd, and the neural
-        backup of a missed SSD row."""
+        """Just-in-time drafting of K tokens per sequence, batched (at most K forwards): sd, and the
+        neural backup of a missed SSD row. Text a row's grammar forces is taken as tokens without
+        a forward (`_take_forced`); the forward after it writes them all at once."""
         # sd has no cache, so no fan-out for Saguaro's skew to follow
         fanouts = [self._fanout(s) if self.spec.mode is Mode.SSD else [0] * (self.k + 1) for s in seqs]
         uniforms = self._uniforms(seqs, [(s.round, o.num_accepted, o.bonus) for s, o in zip(seqs, outcomes)])
-        chunks = [self._extend_chain(s, s.uncached + [s.bonus]) for s in seqs]  # the chain is empty after _advance
         states = [s.grammar.fork() if s.grammar is not None else None for s in seqs]
-        steps = []
-        for d in range(self.k):
-            logits = torch.stack([out[-1] for out in self.executor.forward(chunks)])
-            tok, q = self._sample(logits, seqs, [f[d] for f in fanouts], uniforms[:, d], states)
-            steps.append((tok, q))
-            if d + 1 < self.k:
-                chunks = [self._extend_chain(s, [t]) for s, t in zip(seqs, tok.tolist())]
-        return _stack(steps)
+        chains = [_Chain(s.uncached + [s.bonus]) for s in seqs]  # the KV chain is empty after _advance
+        for seq, state, chain in zip(seqs, states, chains):
+            self._take_forced(seq, state, chain)
+        while live := [i for i, c in enumerate(chains) if len(c.tokens) < self.k]:
+            outs = self.executor.forward([self._extend_chain(seqs[i], chains[i].take_pending()) for i in live])
+            depth = [len(chains[i].tokens) for i in live]
+            tok, q = self._sample(torch.stack([out[-1] for out in outs]), [seqs[i] for i in live],
+                                  [fanouts[i][d] for i, d in zip(live, depth)],
+                                  torch.stack([uniforms[i, d] for i, d in zip(live, depth)]),
+                                  [states[i] for i in live])
+            for j, i in enumerate(live):
+                chains[i].add(int(tok[j]), None if q is None else q[j])
+                self._take_forced(seqs[i], states[i], chains[i])
+        return self._chain_drafts(chains, all(s.params.is_greedy for s in seqs))
+
+    def _take_forced(self, seq: DraftSequence, state: GrammarState | None, chain: "_Chain") -> None:
+        """The tokens the row's grammar forces next, as point masses (a one-hot q), up to K. Not
+        for a seeded sampled row: its proposals must be what the tree branch for the same outcome
+        drafts (the seed's promise), and trees sample forced text like any other."""
+        if state is None or (seq.seeded and not seq.params.is_greedy):
+            return
+        forced = state.forced_tokens(self.k - len(chain.tokens))
+        if state.advance(forced) != len(forced):
+            return
+        for tok in forced:
+            chain.add(tok, "one-hot")
+
+    def _chain_drafts(self, chains: list["_Chain"], greedy: bool) -> Drafts:
+        """The chains as Drafts: a forced token's q is its point mass (one-hot); None where every
+        row is greedy (verified by argmax, no q read)."""
+        tokens = torch.tensor([c.tokens for c in chains], dtype=torch.long)
+        if greedy:
+            return Drafts(tokens, None)
+        vocab = self.executor.vocab_size
+        probs = torch.zeros(len(chains), self.k, vocab)
+        for i, c in enumerate(chains):
+            for d, q in enumerate(c.probs):
+                if isinstance(q, str):
+                    probs[i, d, c.tokens[d]] = 1.0
+                elif q is not None:
+                    probs[i, d] = q
+        return Drafts(tokens, probs)
 
     def _extend_chain(self, seq: DraftSequence, tokens: list[int]):
         """The forward input writing ``tokens`` after the sequence's region chain, which they join."""
@@ -572,6 +606,25 @@ def _branch_state(seq: DraftSequence, depth: int, token: int) -> GrammarState | 
     state = seq.grammar.fork()
     path = seq.last_spec[:depth] + [token]
     return state if state.advance(path) == len(path) else None
+
+
+@dataclass
+class _Chain:
+    """One row's just-in-time draft: its tokens, each one's q' row ("one-hot" for a token the
+    grammar forced, None where the row is greedy), and the tokens not yet written to the KV."""
+
+    pending: list[int]
+    tokens: list[int] = field(default_factory=list)
+    probs: list = field(default_factory=list)
+
+    def add(self, token: int, q) -> None:
+        self.tokens.append(token)
+        self.probs.append(q)
+        self.pending.append(token)
+
+    def take_pending(self) -> list[int]:
+        out, self.pending = self.pending, []
+        return out
 
 
 def _stack(steps: list[tuple[torch.Tensor, torch.Tensor | None]]) -> Drafts:

@@ -25,6 +25,14 @@ body `vllm bench serve --backend tensorrt-llm` sends, with ``exclude_input_in_ou
 ends when the server closes it, and output tokens come from each event's ``num_output_tokens``
 (the trtssd model's running count). Triton serves metrics on its own port: ``--metrics-url``.
 
+A prompt-set entry may carry structured-output fields (``response_format``, ``structured_outputs``,
+``tools``, ``tool_choice``, or ``schema`` for a json_schema response format; the built-in set
+``json-schemas`` has eight schemas and two forced tool calls): they go with that request as they
+are (without ``ignore_eos``, which a constraint cannot take), and each answer is checked with
+``jsonschema`` against its schema, or a call's arguments against its function's parameters. The
+report counts the valid answers, and the grammar-forced tokens from the server's
+``trtssd:structured_output_*`` counters where it has them.
+
 Writes results.json, results.md and serve.png (throughput and latency vs load) to ``--out``;
 ``--compare`` writes compare.json, compare.md and compare.png. Tables and plots: serve_report.py.
 """
@@ -51,8 +59,9 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 import trtssd.bench.serve_report as serve_report
-from trtssd.bench.prompts import BUILTIN_SETS, PromptItem, load_prompt_set
+from trtssd.bench.prompts import BUILTIN_SETS, KNOWN_SETS, PromptItem, load_prompt_set
 from trtssd.bench.report import machine_info
+from trtssd.bench.workload import Structured, Verdict, judge, validity_counts
 
 if TYPE_CHECKING:
     from prometheus_client.samples import Sample
@@ -151,6 +160,7 @@ def _load_dict(load: Load) -> dict:
 class Request:
     prompt_id: str
     body: dict
+    structured: Structured | None = None  # what its answer is checked against
 
 
 def build_requests(cfg: ServeConfig, model: str) -> list[Request]:
@@ -166,7 +176,7 @@ def build_requests(cfg: ServeConfig, model: str) -> list[Request]:
     for i in range(cfg.num_prompts):
         items = sets[i % len(sets)]
         picked.append(items[(i // len(sets)) % len(items)])
-    return [Request(f"{item.dataset}/{item.id}", request_body(item, cfg, model)) for item in picked]
+    return [Request(f"{item.dataset}/{item.id}", request_body(item, cfg, model), item.structured) for item in picked]
 
 
 def request_body(item: PromptItem, cfg: ServeConfig, model: str) -> dict:
@@ -174,8 +184,10 @@ def request_body(item: PromptItem, cfg: ServeConfig, model: str) -> dict:
         return triton_body(item, cfg)
     body: dict = {"model": model, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "stream": True,
                   "stream_options": {"include_usage": True}}
-    if cfg.ignore_eos:
-        body["ignore_eos"] = True  # not OpenAI's; vLLM's and trtssd's extension
+    if cfg.ignore_eos and item.structured is None:
+        body["ignore_eos"] = True  # not OpenAI's; vLLM's and trtssd's extension (a constraint cannot take it)
+    if item.structured is not None:
+        body.update(structured_fields(item, cfg))
     if cfg.chat:
         if item.text is None:
             raise ValueError(f"prompt {item.id!r} is token ids; the chat endpoint needs text")
@@ -187,10 +199,22 @@ def request_body(item: PromptItem, cfg: ServeConfig, model: str) -> dict:
     return body
 
 
+def structured_fields(item: PromptItem, cfg: ServeConfig) -> dict:
+    """The entry's structured-output fields; tools need the chat endpoint."""
+    fields = item.structured.body
+    if "tools" in fields and not cfg.chat:
+        raise ValueError(f"prompt {item.id!r} carries 'tools', which need --endpoint /v1/chat/completions "
+                         f"(got {cfg.endpoint})")
+    return fields
+
+
 def triton_body(item: PromptItem, cfg: ServeConfig) -> dict:
     """The generate_stream body of `vllm bench serve --backend tensorrt-llm`, returning new text only."""
     if item.text is None:
         raise ValueError(f"prompt {item.id!r} is token ids; Triton's text_input needs text")
+    if item.structured is not None:
+        raise ValueError(f"prompt {item.id!r} carries structured-output fields, which --backend triton does not "
+                         "send (its guided_decoding_* inputs differ); use --backend openai")
     body = {"text_input": item.text, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "stream": True,
             "exclude_input_in_output": True}
     if cfg.ignore_eos:
@@ -223,6 +247,9 @@ class RequestResult:
     output_tokens: int | None = None
     tokens_from_usage: bool = False
     error: str | None = None
+    text_parts: list[str] = field(default_factory=list)  # the answer's text as it streamed
+    tool_calls: dict[int, dict] = field(default_factory=dict)  # by index: {"name", "arguments"} (chat)
+    verdict: Verdict | None = None  # whether the answer matched its entry's schema (structured entries)
 
     @property
     def ok(self) -> bool:
@@ -248,7 +275,19 @@ class RequestResult:
         return {"prompt_id": self.prompt_id, "ok": self.ok, "error": self.error, "sent_s": _r(self.sent_s),
                 "ttft_s": _r(self.ttft_s), "e2e_s": _r(self.e2e_s), "tpot_s": _r(self.tpot_s),
                 "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
-                "tokens_from_usage": self.tokens_from_usage, "itl_s": [_r(x) for x in self.itl_s]}
+                "tokens_from_usage": self.tokens_from_usage, "itl_s": [_r(x) for x in self.itl_s],
+                **self._verdict_dict()}
+
+    def _verdict_dict(self) -> dict:
+        if self.verdict is None or self.verdict.valid is None:
+            return {}
+        return {"valid": self.verdict.valid, "invalid_reason": self.verdict.reason or None}
+
+    def judge(self, structured: Structured | None) -> None:
+        """Check the answer against its entry (not a failed request's: it has no answer)."""
+        if structured is not None and self.ok:
+            calls = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+            self.verdict = judge(structured, "".join(self.text_parts), calls)
 
 
 def _r(x: float | None) -> float | None:
@@ -339,8 +378,22 @@ def _apply_event(event: dict, result: RequestResult, now: float, chat: bool) -> 
         text = (delta.get("content") or delta.get("reasoning_content")) if chat else delta.get("text")
         opening = chat and "role" in delta
         closing = choice.get("finish_reason") is not None
-        if text or not (opening or closing):
+        calls = (delta.get("tool_calls") or []) if chat else []
+        if text or calls or not (opening or closing):
             result.content_times_s.append(now)
+        answer = delta.get("content") if chat else text  # reasoning is not part of the answer
+        if answer:
+            result.text_parts.append(answer)
+        _add_tool_call_deltas(result, calls)
+
+
+def _add_tool_call_deltas(result: RequestResult, calls: list[dict]) -> None:
+    """OpenAI streams a call as pieces by index (name first, arguments in parts); join them."""
+    for position, piece in enumerate(calls):
+        fn = piece.get("function") or {}
+        call = result.tool_calls.setdefault(int(piece.get("index", position)), {"name": "", "arguments": ""})
+        call["name"] += fn.get("name") or ""
+        call["arguments"] += fn.get("arguments") or ""
 
 
 def _apply_triton_event(event: dict, result: RequestResult, now: float) -> None:
@@ -396,7 +449,13 @@ def counter_value(samples: Sequence[Sample], name: str, **labels: str) -> float 
 
 
 SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
-                 "accepted_tokens": "vllm:spec_decode_num_accepted_tokens"}
+                 "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+                 # structured outputs: rounds that verified grammar-forced tokens, those tokens, the
+                 # ones accepted, and the target's seconds computing token masks
+                 "forced_rounds": "trtssd:structured_output_forced_rounds",
+                 "forced_tokens": "trtssd:structured_output_forced_tokens",
+                 "forced_accepted_tokens": "trtssd:structured_output_forced_accepted_tokens",
+                 "mask_seconds": "trtssd:structured_output_mask_seconds"}
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 # trtssd's speculation-cache counters: trtssd:…cache_hits / trtssd:…cache_misses (the server names
 # them), never a prefix cache's (trtssd:draft_prefix_cache_hits counts prompt tokens, not rounds).
@@ -433,6 +492,8 @@ def spec_summary(before: dict | None, after: dict | None) -> dict | None:
             out["acceptance_rate_per_position"] = [round(v / drafts, 4) for _, v in pos]
     if delta.get("draft_tokens") and accepted is not None:
         out["acceptance_rate"] = round(accepted / delta["draft_tokens"], 4)
+    if delta.get("forced_tokens") and delta.get("forced_accepted_tokens") is not None:
+        out["forced_acceptance_rate"] = round(delta["forced_accepted_tokens"] / delta["forced_tokens"], 4)
     lookups = delta.get("cache_hits", 0.0) + delta.get("cache_misses", 0.0)
     if "cache_hits" in delta and lookups:
         out["cache_hit_rate"] = round(delta["cache_hits"] / lookups, 4)
@@ -498,6 +559,9 @@ def summarize_run(results: Sequence[RequestResult], duration_s: float, percentil
     out.update(latency_stats("e2el", [r.e2e_s for r in ok], percentiles))
     errors = Counter(r.error or "no content before [DONE]" for r in results if not r.ok)
     out["errors"] = dict(errors.most_common(10))
+    validity = validity_counts([r.verdict for r in ok])
+    if validity is not None:
+        out["structured"] = validity
     return out
 
 
@@ -608,6 +672,7 @@ async def _run_load(session, cfg: ServeConfig, model: str, load: Load, requests:
             sent = time.perf_counter() - start
             result = await send_request(session, url, req, headers, cfg.api)
         result.sent_s = sent
+        result.judge(req.structured)
         return result
 
     results = list(await asyncio.gather(*(client(r, o) for r, o in zip(requests, offsets))))
@@ -683,7 +748,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer token (default $OPENAI_API_KEY)")
     p.add_argument("--datasets", default=",".join(BUILTIN_SETS),
-                   help=f"built-in sets ({','.join(BUILTIN_SETS)}) and/or JSONL files, comma-separated")
+                   help=f"built-in sets ({','.join(KNOWN_SETS)}; default {','.join(BUILTIN_SETS)}) and/or JSONL "
+                        "files (or .json lists), comma-separated; entries may carry response_format, "
+                        "structured_outputs, tools, tool_choice or schema")
     p.add_argument("--num-prompts", type=int, default=64, help="requests per run (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -743,8 +810,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = config_from_args(args)
-        for spec in cfg.datasets:  # a bad dataset fails before any request
-            load_prompt_set(spec, 1)
+        for spec in cfg.datasets:  # a bad dataset or entry fails before any request
+            load_prompt_set(spec)
     except ValueError as err:
         parser.error(str(err))
     try:

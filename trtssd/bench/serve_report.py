@@ -71,10 +71,38 @@ def render_markdown(report: dict) -> str:
         s = run["summary"]
         lines.append(f"| {run['name']} | " + " | ".join(_fmt(s.get(f"{st}_{key}_ms"))
                                                         for key, _ in LATENCIES for st in stats) + " |")
+    lines += structured_lines(report["runs"])
     errors = [(run["name"], msg, n) for run in report["runs"] for msg, n in run["summary"]["errors"].items()]
     if errors:
         lines += ["", "## Failed requests", ""] + [f"- {name}: {n} x {msg}" for name, msg, n in errors]
     return "\n".join(lines) + "\n"
+
+
+def structured_lines(runs: Sequence[dict]) -> list[str]:
+    """The structured-outputs table: valid answers where a schema was given, and the server's
+    grammar-forced tokens (its trtssd:structured_output_* counters; - where it has none)."""
+    if not any(run["summary"].get("structured") or _spec(run, "forced_tokens") is not None for run in runs):
+        return []
+    lines = ["", "## Structured outputs", "",
+             "valid: answers that parse and follow their schema (jsonschema; a tool call's arguments against its "
+             "function's parameters) of those checked; forced: tokens the grammar proposed (the server's "
+             "`trtssd:structured_output_*` counters), their acceptance, and the target's mask time per output token.",
+             "", "| load | valid / checked | forced rounds | forced tokens | forced share | forced acceptance "
+             "| mask ms / token |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for run in runs:
+        s, checked = run["summary"], run["summary"].get("structured") or {}
+        out_tokens = s.get("total_output_tokens") or 0
+        forced, mask = _spec(run, "forced_tokens"), _spec(run, "mask_seconds")
+        share = forced / out_tokens if forced is not None and out_tokens else None
+        mask_ms = mask * 1e3 / out_tokens if mask is not None and out_tokens else None
+        valid = f"{checked['valid']} / {checked['checked']}" if checked else "-"
+        lines.append(f"| {run['name']} | {valid} | {_fmt(_spec(run, 'forced_rounds'), 0)} | {_fmt(forced, 0)} | "
+                     f"{_fmt(share, 2)} | {_fmt(_spec(run, 'forced_acceptance_rate'), 2)} | {_fmt(mask_ms, 3)} |")
+    reasons = [(run["name"], why, n) for run in runs
+               for why, n in ((run["summary"].get("structured") or {}).get("invalid_reasons") or {}).items()]
+    if reasons:
+        lines += ["", "Invalid answers:", ""] + [f"- {name}: {n} x {why}" for name, why, n in reasons]
+    return lines
 
 
 def _loadavg(values: Sequence[float]) -> str:

@@ -387,7 +387,7 @@ def _fake_sweep(monkeypatch, timing_error: Exception | None = None) -> list[str]
 
     finished: list[str] = []
 
-    def run_instance(inst, cfg, encoded, ids, max_seq_len, progress, notes):
+    def run_instance(inst, cfg, encoded, ids, max_seq_len, progress, notes, structured=None):
         finished.append(inst.system)
         return [_run(k.system, 10.0, [(1, 2)], k=k.k, budget=k.budget) for k in inst.keys]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import trtssd.bench.serve as serve
 from trtssd.bench.config import ALL_SYSTEMS, BenchConfig
-from trtssd.bench.prompts import BUILTIN_SETS, load_prompt_set
+from trtssd.bench.prompts import BUILTIN_SETS, KNOWN_SETS, load_prompt_set
 from trtssd.bench.report import render_markdown, write_report
 from trtssd.bench.sweep import run_benchmark
 from trtssd.cli_options import add_engine_options, add_model_options, engine_options
@@ -59,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_options(p)
     p.add_argument("--systems", type=_names, default=ALL_SYSTEMS, help=f"subset of {','.join(ALL_SYSTEMS)}")
     p.add_argument("--datasets", type=_names, default=BUILTIN_SETS,
-                   help=f"built-in sets ({','.join(BUILTIN_SETS)}) and/or JSONL files")
+                   help=f"built-in sets ({','.join(KNOWN_SETS)}; default {','.join(BUILTIN_SETS)}) and/or JSONL "
+                        "files (or .json lists); an entry with response_format, structured_outputs, tools/tool_choice "
+                        "or schema runs under that constraint (json-schemas: 8 schemas, 2 forced tool calls)")
     p.add_argument("--prompts", type=int, help="prompts per set (--quick 4, --full 16)")
     p.add_argument("--max-tokens", type=int, help="output tokens per prompt (--quick 64, --full 128)")
     p.add_argument("--batch", type=_ints, help="batch sizes, e.g. 1,2,4,8")
@@ -121,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         cfg = config_from_args(args)
-        for ds in cfg.datasets:  # fail fast on a bad dataset, before loading any model
-            load_prompt_set(ds, 1)
+        for ds in cfg.datasets:  # fail fast on a bad dataset or entry, before loading any model
+            load_prompt_set(ds, cfg.prompts_per_set)
     except ValueError as err:
         parser.error(str(err))
         return 2

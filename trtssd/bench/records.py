@@ -46,6 +46,8 @@ class RequestRecord:
     token_latencies_s: tuple[float, ...]  # per output token after the first (see per_token_latencies)
     deliveries: int = 0  # times tokens reached the caller (a speculative round delivers several)
     first_delivery_tokens: int = 1  # tokens that arrived with the first one (what TTFT paid for)
+    valid: bool | None = None  # the answer matched its entry's schema / tool parameters (None: nothing to check)
+    invalid_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -119,9 +121,29 @@ def summarize(batches: Sequence[BatchRecord], spec: SpeculationMetrics | None) -
         # generation delivers each round's tokens at once); 1 for plain decoding.
         "tokens_per_delivery": round(tokens / deliveries, 4) if deliveries else None,
     }
+    grammar = grammar_summary(spec, tokens)
+    if grammar is not None:
+        out["grammar"] = grammar
     if spec is not None and spec.num_drafts:  # ar runs carry metrics too, with no rounds in them
         s = spec.summary()
         out.update({name: s[name] for name in ("mean_acceptance_length", "acceptance_rate_per_position",
                                                 "cache_hit_rate", "overlap_efficiency")})
         out["spec"] = s
+    return out
+
+
+GRAMMAR_FIELDS = ("grammar_rounds", "grammar_proposed_tokens", "grammar_accepted_tokens", "grammar_mask_time_s")
+
+
+def grammar_summary(spec: SpeculationMetrics | None, output_tokens: int) -> dict | None:
+    """The structured-output fields of a run's SpeculationMetrics (grammar-forced proposals, their
+    acceptance, mask time), with the forced share of the output; None for an unconstrained run."""
+    if spec is None or not (spec.grammar_rounds or spec.grammar_mask_time_s):
+        return None
+    out: dict = {name: getattr(spec, name) for name in GRAMMAR_FIELDS}
+    out["grammar_mask_time_s"] = round(spec.grammar_mask_time_s, 6)
+    proposed, accepted = spec.grammar_proposed_tokens, spec.grammar_accepted_tokens
+    out["forced_acceptance_rate"] = round(accepted / proposed, 4) if proposed else None
+    out["forced_share"] = round(accepted / output_tokens, 4) if output_tokens else None
+    out["mask_ms_per_token"] = round(spec.grammar_mask_time_s * 1e3 / output_tokens, 4) if output_tokens else None
     return out

@@ -153,6 +153,7 @@ def render_markdown(report: BenchReport) -> str:
         lines += ["", "Per-position acceptance (position 1..K):", ""]
         lines += [f"- {r.key.config}, {r.key.dataset}, batch {r.key.batch_size}, temp {r.key.temperature:g}: "
                   + ", ".join(f"{x:.2f}" for x in r.summary["acceptance_rate_per_position"]) for r in per_pos]
+    lines += _structured_lines(report.runs)
     predicted = [r for r in report.runs if r.prediction]
     if predicted:
         lines += ["", "## Speedup model vs measurement", "",
@@ -183,6 +184,27 @@ def render_markdown(report: BenchReport) -> str:
                 seen.add(line)
                 lines.append(line)
     return "\n".join(lines) + "\n"
+
+
+def _structured_lines(runs: Sequence[RunResult]) -> list[str]:
+    """Valid answers and the grammar's forced proposals of the runs on structured-output sets."""
+    rows = [r for r in runs if r.error is None and (r.summary.get("structured") or r.summary.get("grammar"))]
+    if not rows:
+        return []
+    lines = ["", "## Structured outputs", "",
+             "valid: answers that parse and follow their schema (jsonschema; a tool call's arguments against its "
+             "function's parameters) of those checked; forced: grammar rounds, tokens the grammar proposed and "
+             "those accepted (SpeculationMetrics.grammar_*), the accepted share of the output, and mask time.", "",
+             "| system | dataset | batch | temp | valid / checked | grammar rounds | forced proposed | forced accepted "
+             "| forced share | mask ms / token |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        checked, g = r.summary.get("structured") or {}, r.summary.get("grammar") or {}
+        valid = f"{checked['valid']} / {checked['checked']}" if checked else "-"
+        lines.append(f"| {r.key.config} | {r.key.dataset} | {r.key.batch_size} | {r.key.temperature:g} | {valid} | "
+                     f"{_fmt(g.get('grammar_rounds'))} | {_fmt(g.get('grammar_proposed_tokens'))} | "
+                     f"{_fmt(g.get('grammar_accepted_tokens'))} | {_fmt(g.get('forced_share'), 2)} | "
+                     f"{_fmt(g.get('mask_ms_per_token'), 3)} |")
+    return lines
 
 
 def _acceptance_length(run: RunResult) -> float | None:

@@ -12,6 +12,7 @@ from typing import Sequence
 from trtssd.bench.config import BenchConfig
 from trtssd.bench.records import BatchRecord, RequestRecord, RunKey, per_token_latencies
 from trtssd.runtime.metrics import SpeculationMetrics
+from trtssd.structured.constraint import Constraint
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +43,16 @@ class TrtssdRunner:
                        draft=ModelRef(cfg.draft) if cfg.draft else None, **options)
 
     def run_batch(self, key: RunKey, prompts: Sequence[list[int]], ids: Sequence[str], cfg: BenchConfig,
-                  seed: int) -> tuple[BatchRecord, SpeculationMetrics]:
+                  seed: int, constraints: Sequence[Constraint | None] = ()) -> tuple[BatchRecord, SpeculationMetrics]:
         from trtssd.sampling import SamplingParams
 
         # Drives the engine step by step (rather than LLM.generate) to time every emission.
         engine = self.llm.loop
-        params = [SamplingParams(temperature=key.temperature, max_tokens=cfg.max_tokens, ignore_eos=cfg.ignore_eos,
-                                 seed=seed + i if key.temperature > 0 else None) for i in range(len(prompts))]
+        constraints = list(constraints) or [None] * len(prompts)
+        # A constrained answer ends where its grammar does: ignore_eos is for free text only.
+        params = [SamplingParams(temperature=key.temperature, max_tokens=cfg.max_tokens,
+                                 ignore_eos=cfg.ignore_eos and c is None, constraint=c,
+                                 seed=seed + i if key.temperature > 0 else None) for i, c in enumerate(constraints)]
         start = time.perf_counter()
         seq_ids = [engine.add_request(list(p), sp) for p, sp in zip(prompts, params)]
         emissions: dict[int, list[tuple[float, int]]] = {s: [(start, 0)] for s in seq_ids}
@@ -205,9 +209,11 @@ class HFRunner:
         return model, note
 
     def run_batch(self, key: RunKey, prompts: Sequence[list[int]], ids: Sequence[str], cfg: BenchConfig,
-                  seed: int) -> tuple[BatchRecord, None]:
+                  seed: int, constraints: Sequence[Constraint | None] = ()) -> tuple[BatchRecord, None]:
         import torch
 
+        if any(c is not None for c in constraints):
+            raise SkipRun("the transformers peers decode without constraints; constrained prompt sets are not run there")
         if key.system == "hf-assisted":
             if self.assistant is None:
                 raise SkipRun(self.assistant_error or "no assistant model")
@@ -282,24 +288,31 @@ class LlamaCppRunner:
                           "--no-repack, prompts as token ids, no prompt cache")
 
     def run_batch(self, key: RunKey, prompts: Sequence[list[int]], ids: Sequence[str], cfg: BenchConfig,
-                  seed: int) -> tuple[BatchRecord, None]:
+                  seed: int, constraints: Sequence[Constraint | None] = ()) -> tuple[BatchRecord, None]:
         from concurrent.futures import ThreadPoolExecutor
 
+        constraints = list(constraints) or [None] * len(prompts)
+        schemas = [llamacpp_schema(c) for c in constraints]
         start = time.perf_counter()
         with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-            futures = [pool.submit(self._request, key, p, cfg, seed + i) for i, p in enumerate(prompts)]
+            futures = [pool.submit(self._request, key, p, cfg, seed + i, schema)
+                       for i, (p, schema) in enumerate(zip(prompts, schemas))]
             replies = [f.result() for f in futures]
         wall = time.perf_counter() - start
         records = tuple(_llamacpp_record(pid, prompt, reply, end - start)
                         for pid, prompt, (reply, end) in zip(ids, prompts, replies))
         return BatchRecord(records, wall, max(r.ttft_s for r in records)), None
 
-    def _request(self, key: RunKey, prompt: Sequence[int], cfg: BenchConfig, seed: int) -> tuple[dict, float]:
+    def _request(self, key: RunKey, prompt: Sequence[int], cfg: BenchConfig, seed: int,
+                 schema: dict | None = None) -> tuple[dict, float]:
         from trtssd.bench.llamacpp import sampling_body
 
-        body = {"prompt": [int(t) for t in prompt], "n_predict": cfg.max_tokens, "ignore_eos": cfg.ignore_eos,
+        body = {"prompt": [int(t) for t in prompt], "n_predict": cfg.max_tokens,
+                "ignore_eos": cfg.ignore_eos and schema is None,
                 "cache_prompt": False, "return_tokens": True, "stream": False,
                 **sampling_body(key.temperature, seed)}
+        if schema is not None:  # llama-server turns it into its own grammar, as for response_format
+            body["json_schema"] = schema
         reply = self.server.completion(body)
         return reply, time.perf_counter()
 
@@ -307,6 +320,19 @@ class LlamaCppRunner:
         server, self.server = getattr(self, "server", None), None
         if server is not None:
             server.stop()
+
+
+def llamacpp_schema(constraint: Constraint | None) -> dict | None:
+    """The JSON schema llama-server's /completion takes (``json_schema``) for a constraint; a regex,
+    choice or grammar (tool calls included) has no llama-server form here, so that cell is skipped."""
+    if constraint is None:
+        return None
+    if constraint.kind == "json_object":
+        return {"type": "object"}
+    if constraint.kind == "json_schema":
+        return constraint.schema
+    raise SkipRun(f"llama-server is sent JSON schemas only; a {constraint.kind} constraint (regex, choice, grammar, "
+                  "forced tool call) is not translated to its GBNF, so constrained sets holding one are not run there")
 
 
 def _llamacpp_record(prompt_id: str, prompt: Sequence[int], reply: dict, e2e_s: float) -> RequestRecord:

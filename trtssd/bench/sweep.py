@@ -21,6 +21,7 @@ from trtssd.bench.report import (
     machine_info,
 )
 from trtssd.bench.runners import HFRunner, LlamaCppRunner, SkipRun, TrtssdRunner
+from trtssd.bench.structured_runs import StructuredSet, judge_run, structured_sets
 from trtssd.models.tokenizer import load_tokenizer
 from trtssd.runtime.metrics import SpeculationMetrics
 from trtssd.runtime.speedup_model import Timings
@@ -45,15 +46,17 @@ def _warmup(runner, key: RunKey, prompt: list[int], cfg: BenchConfig) -> None:
 
 
 def run_cell(runner, key: RunKey, prompts: Sequence[list[int]], ids: Sequence[str], cfg: BenchConfig,
-             progress=None) -> RunResult:
-    """Every prompt of one dataset, in static batches of key.batch_size."""
+             progress=None, constraints: Sequence = ()) -> RunResult:
+    """Every prompt of one dataset, in static batches of key.batch_size; ``constraints`` (one per
+    prompt, or empty) constrain the prompts of a structured-output set."""
     batches: list[BatchRecord] = []
     spec: SpeculationMetrics | None = None
     b = key.batch_size
     try:
         for start in range(0, len(prompts), b):
+            extra = {"constraints": constraints[start:start + b]} if constraints else {}
             batch, metrics = runner.run_batch(key, prompts[start:start + b], ids[start:start + b], cfg,
-                                              cfg.seed + start)
+                                              cfg.seed + start, **extra)
             batches.append(batch)
             if metrics is not None:
                 spec = spec or SpeculationMetrics()
@@ -81,6 +84,8 @@ def run_benchmark(cfg: BenchConfig, command: str | None = None,
     tokenizer = load_tokenizer(target_ref.path)
     items = {ds: load_prompt_set(ds, cfg.prompts_per_set) for ds in cfg.datasets}
     items = {_dataset_name(ds, its): its for ds, its in items.items()}
+    items, structured, structured_notes = structured_sets(items, tokenizer)
+    items = {ds: its for ds, its in items.items() if its}  # a set of tool calls only may be left empty
     encoded = {ds: encode_prompts(its, tokenizer) for ds, its in items.items()}
     ids = {ds: [it.id for it in its] for ds, its in items.items()}
     longest = max(len(p) for ps in encoded.values() for p in ps)
@@ -88,13 +93,14 @@ def run_benchmark(cfg: BenchConfig, command: str | None = None,
     instances = plan_instances(replace(cfg, datasets=tuple(items)))
     total = sum(-(-len(encoded[k.dataset]) // k.batch_size) for inst in instances for k in inst.keys)
     report = BenchReport(machine_info(), command or shlex.join(sys.argv), config_dict(cfg), [], None,
-                         _start_notes(cfg, encoded))
+                         _start_notes(cfg, encoded) + structured_notes)
     update = on_update or (lambda _report: None)
     with tqdm(total=total, desc="bench", unit="batch", file=sys.stderr) as progress:
         for inst in instances:
             progress.set_postfix_str(inst.system + (f" K={inst.k}" if inst.k else "") +
                                      (f" B={inst.budget}" if inst.budget else ""))
-            report.runs += _run_instance(inst, cfg, encoded, ids, max_seq_len, progress, report.notes)
+            runs = _run_instance(inst, cfg, encoded, ids, max_seq_len, progress, report.notes, structured)
+            report.runs += [judge_run(run, structured.get(run.key.dataset), tokenizer) for run in runs]
             attach_comparisons(report.runs)
             update(report)
     if cfg.calibrate and any(r.key.system in TRTSSD_SYSTEMS and r.error is None for r in report.runs):
@@ -139,7 +145,7 @@ def _round_up(n: int, m: int) -> int:
 
 
 def _run_instance(inst: Instance, cfg: BenchConfig, encoded, ids, max_seq_len: int, progress,
-                  notes: list[str]) -> list[RunResult]:
+                  notes: list[str], structured: dict[str, StructuredSet] | None = None) -> list[RunResult]:
     batches = lambda key: -(-len(encoded[key.dataset]) // key.batch_size)  # noqa: E731
     try:
         runner = _make_runner(inst, cfg, max_seq_len)
@@ -161,7 +167,9 @@ def _run_instance(inst: Instance, cfg: BenchConfig, encoded, ids, max_seq_len: i
                 _warmup(runner, first, encoded[first.dataset][0], cfg)
         for key in inst.keys:
             try:
-                results.append(run_cell(runner, key, encoded[key.dataset], ids[key.dataset], cfg, progress))
+                constraints = structured[key.dataset].constraints if structured and key.dataset in structured else ()
+                results.append(run_cell(runner, key, encoded[key.dataset], ids[key.dataset], cfg, progress,
+                                        constraints))
             except Exception as err:  # noqa: BLE001
                 log.exception("run %s failed", key)
                 results.append(RunResult(key, error=f"failed: {type(err).__name__}: {err}"))

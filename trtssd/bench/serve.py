@@ -626,8 +626,9 @@ async def _run_all(cfg: ServeConfig, command: str) -> ServeReport:
                               await _first_model(session, cfg.base_url, headers))
         requests = build_requests(cfg, model)
         report = ServeReport(cfg.label or model, command, model, cfg, machine_info(), loadavg())
-        if cfg.warmup:
-            await _warm_up(session, cfg, model, requests[0], headers)
+        if cfg.warmup:  # not with a tool call: a model whose template has no tools refuses those alone
+            plain = next((r for r in requests if r.structured is None or not r.structured.tools), requests[0])
+            await _warm_up(session, cfg, model, plain, headers)
         for load in cfg.loads:
             report.runs.append(await _run_load(session, cfg, model, load, requests, headers))
         report.loadavg_end = loadavg()

@@ -95,7 +95,7 @@ build_libraries() {
   [ -f "$LIB/.complete" ] && return
   sources
   configure
-  with_progress "compiling llama.cpp's libraries (about 7 minutes on 2 cores)" "$HOME_DIR/build-lib.log" \
+  with_progress "compiling llama.cpp's libraries (about 2 minutes on 2 cores)" "$HOME_DIR/build-lib.log" \
     cmake --build "$OUT" --target llama -j "$JOBS"
   rm -rf "$LIB.tmp" && mkdir -p "$LIB.tmp"
   cp -P "$OUT"/bin/lib*.so* "$LIB.tmp"/

@@ -104,8 +104,8 @@ def _ship_plain_q_from_the_tree(worker) -> None:
     sample, tree = worker._sample, worker._tree
     in_tree = []
 
-    def mutated_sample(logits, seqs, fanouts, uniforms):
-        tokens, rows = sample(logits, seqs, fanouts, uniforms)
+    def mutated_sample(logits, seqs, fanouts, uniforms, states=None):
+        tokens, rows = sample(logits, seqs, fanouts, uniforms, states)
         if in_tree and rows is not None:
             rows = processed_probs(logits, [s.params for s in seqs])
         return tokens, rows

@@ -355,7 +355,7 @@ class DraftWorker:
         if state.advance(forced) != len(forced):
             return
         for tok in forced:
-            chain.add(tok, "one-hot")
+            chain.add(tok, None, forced=True)
 
     def _chain_drafts(self, chains: list["_Chain"], greedy: bool) -> Drafts:
         """The chains as Drafts: a forced token's q is its point mass (one-hot); None where every
@@ -366,8 +366,8 @@ class DraftWorker:
         vocab = self.executor.vocab_size
         probs = torch.zeros(len(chains), self.k, vocab)
         for i, c in enumerate(chains):
-            for d, q in enumerate(c.probs):
-                if isinstance(q, str):
+            for d, (q, forced) in enumerate(zip(c.probs, c.forced)):
+                if forced:
                     probs[i, d, c.tokens[d]] = 1.0
                 elif q is not None:
                     probs[i, d] = q
@@ -610,16 +610,19 @@ def _branch_state(seq: DraftSequence, depth: int, token: int) -> GrammarState | 
 
 @dataclass
 class _Chain:
-    """One row's just-in-time draft: its tokens, each one's q' row ("one-hot" for a token the
-    grammar forced, None where the row is greedy), and the tokens not yet written to the KV."""
+    """One row's just-in-time draft: its tokens, each one's q' row (None where the row is greedy
+    or the token was forced), which tokens the grammar forced, and the tokens not yet written to
+    the KV."""
 
     pending: list[int]
     tokens: list[int] = field(default_factory=list)
-    probs: list = field(default_factory=list)
+    probs: list[torch.Tensor | None] = field(default_factory=list)
+    forced: list[bool] = field(default_factory=list)
 
-    def add(self, token: int, q) -> None:
+    def add(self, token: int, q: torch.Tensor | None, forced: bool = False) -> None:
         self.tokens.append(token)
         self.probs.append(q)
+        self.forced.append(forced)
         self.pending.append(token)
 
     def take_pending(self) -> list[int]:

@@ -598,16 +598,15 @@ class TargetLoop:
         total_emitted = 0
         for i, seq in enumerate(seqs):
             n = accepted[i]
+            verified = forced[i] or proposals[i]
+            emitted = self._emit(seq, verified[:n] + [bonus[i]], outputs,
+                                 result.logprobs[i] if result.logprobs else None)
+            # Count only what was emitted: a stop inside the round cuts accepted tokens too.
             if forced[i]:
                 seq.outcome = _grammar_outcome(seq.seq_id, forced[i][:n] + [bonus[i]], k)
-                emitted = self._emit(seq, forced[i][:n] + [bonus[i]], outputs,
-                                     result.logprobs[i] if result.logprobs else None)
                 seq.metrics.record_grammar_round(len(forced[i]), min(n, emitted))
             else:
                 seq.outcome = P.Outcome(seq.seq_id, n, bonus[i], num_drafts=k)
-                emitted = self._emit(seq, proposals[i][:n] + [bonus[i]], outputs,
-                                     result.logprobs[i] if result.logprobs else None)
-                # Count only what was emitted: a stop inside the round cuts accepted tokens too.
                 seq.metrics.record_round(k, min(n, emitted), reply.sources[i])
             total_emitted += emitted
             seq.metrics.add_times(**times)
@@ -634,10 +633,8 @@ class TargetLoop:
         replaced = [f if f and rows[i][:len(f)] != f else [] for i, f in enumerate(forced)]
         if not any(replaced):
             return tokens, point_mass, None, replaced
-        tokens = tokens.clone()  # the draft's buffer stays as it wrote it
-        for i, f in enumerate(replaced):
-            if f:
-                tokens[i, :len(f)] = torch.tensor(f)
+        # A new tensor: the draft's buffer stays as it wrote it.
+        tokens = torch.where(torch.tensor([bool(f) for f in replaced])[:, None], _proposal_tensor(replaced, k), tokens)
         point_mass = tuple(pm or bool(f) for pm, f in zip(point_mass, replaced))
         return tokens, point_mass, tuple(len(f) if f else k for f in replaced), replaced
 

@@ -40,6 +40,7 @@ class SpeculationMetrics:
     degraded_rounds: int = 0  # rounds decoded in ar mode because the draft was lost
     plain_rounds: int = 0  # rounds decoded without the draft by load control (it measured faster)
     draft_cached_tokens: int = 0  # prompt tokens the draft's prefix cache gave it (not prefilled there)
+    draft_prompt_tokens: int = 0  # prompt tokens looked up in the draft's prefix cache (0: the draft never reported)
     # Structured outputs: rounds that verified the grammar's forced tokens (instead of the draft's
     # proposals, or in a plain round), those tokens, the ones accepted, and the masks' seconds.
     grammar_rounds: int = 0

@@ -24,6 +24,11 @@ Each rank keeps its own, over its own executor: the target for its prefill, the 
   differ in the last bits from what a prefill of the same tokens writes.
 - A hit is checked token by token against the holder's prompt: a hash collision costs a miss,
   never a wrong prefix.
+- Speculation changes nothing the cache holds: a holder's blocks are its prompt's, written by its
+  prefill, and a finished request leaves them alone (not its answer), so verify and tree rows,
+  rejected proposals and plain rounds leave every mode with the same cached prefixes. A chat's
+  next turn therefore reuses the earlier turns' prompts up to the last answer
+  (tests/test_prefix_cache_speculation.py).
 """
 
 from __future__ import annotations

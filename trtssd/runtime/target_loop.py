@@ -611,8 +611,9 @@ class TargetLoop:
             total_emitted += emitted
             seq.metrics.add_times(**times)
             seq.metrics.tree_branches += reply.tree_branches
-            if reply.cached_tokens:
+            if reply.cached_tokens:  # the draft's lookup, counted beside its hits for the draft's hit rate
                 seq.metrics.draft_cached_tokens = reply.cached_tokens[i]
+                seq.metrics.draft_prompt_tokens = len(seq.prompt)
             seq.spec_streak += 1
         self.chooser.observe(True, len(seqs), total_emitted, self._round_s(t0, u0), steady=steady)
 

@@ -106,6 +106,8 @@ METRICS = (
                "Mean tree branches per round of each request: the fan-out budget chosen (a dashboard name, kept).", TREE_WIDTH_BUCKETS),
     _histogram("overlap", "trtssd:overlap_efficiency",
                "Share of each request's rounds the target spent verifying, not waiting.", FRACTION_BUCKETS),
+    _counter("draft_prefix_cache_queries", "trtssd:draft_prefix_cache_queries",
+             "Prompt tokens of finished requests the draft speculated for, looked up in its prefix cache."),
     _counter("draft_prefix_cache_hits", "trtssd:draft_prefix_cache_hits",
              "Prompt tokens the draft rank's prefix cache gave it (not prefilled there)."),
     _counter("degraded_rounds", "trtssd:degraded_rounds", "Rounds decoded without the draft (lost draft: ar mode)."),
@@ -154,6 +156,7 @@ def request_additions(record: RequestOutput) -> RequestAdditions:
     increments = {("prompt_tokens", None): record.prompt_tokens, ("generation_tokens", None): record.completion_tokens,
                   ("request_success", record.finish_reason): 1, ("prefix_cache_queries", None): record.prompt_tokens,
                   ("prefix_cache_hits", None): record.num_cached_tokens,
+                  ("draft_prefix_cache_queries", None): m.draft_prompt_tokens,
                   ("draft_prefix_cache_hits", None): m.draft_cached_tokens}
     increments.update(((key, None), getattr(m, key)) for key in _SPEC_TOTALS)
     increments.update((("accepted_per_pos", str(p)), n) for p, n in enumerate(m.accepted_per_position))

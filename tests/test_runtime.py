@@ -436,3 +436,35 @@ def test_bad_options_are_rejected(tiny):
             llm.generate([[1] * 250], SamplingParams(max_tokens=100))
         with pytest.raises(ValueError, match=r"\[0, 64\)"):
             llm.generate([[1, 999]], SamplingParams())
+
+
+def _cpu_s(pid: int) -> float:
+    """Seconds process ``pid`` has run on a CPU, all its threads (nanosecond counters)."""
+    total = 0
+    for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
+        try:
+            total += int(Path(path).read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass  # a thread that ended meanwhile
+    return total / 1e9
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the doorbell and /proc are Linux's")
+def test_an_idle_draft_blocks_instead_of_polling(tiny):
+    """Between requests (and through plain rounds, which borrow its cores) the draft rank waits
+    on its doorbell: over 2 s idle it runs well under a millisecond and wakes a handful of times
+    (polling, it woke ~200 times a second). A request after the idle spell is answered at once."""
+    with _llm(tiny, "ssd", max_batch=2) as llm:
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        llm.generate([PROMPTS[0]], params)
+        draft = psutil.Process(llm.loop.draft.pid)
+        time.sleep(0.5)  # past the short spell of polls after the last message
+        cpu0, switches0 = _cpu_s(draft.pid), draft.num_ctx_switches().voluntary
+        time.sleep(2.0)
+        cpu, switches = _cpu_s(draft.pid) - cpu0, draft.num_ctx_switches().voluntary - switches0
+        t0 = time.perf_counter()
+        out = llm.generate([PROMPTS[1]], params)[0]
+        took = time.perf_counter() - t0
+        summary = llm.metrics.summary()
+    assert cpu < 0.003 and switches < 40, (cpu, switches)
+    assert len(out.token_ids) == 8 and summary["degraded_rounds"] == 0 and took < 10

@@ -37,7 +37,7 @@ from trtssd.config import ModelRef, RuntimeConfig, SpeculativeConfig, Transport
 from trtssd.runtime import protocol as P
 from trtssd.runtime.cuda_ipc import CudaIpcBuffers
 from trtssd.runtime.processes import SHM_DIR, ProcessTree, exit_with, mapped_segments, remove_files, start_time
-from trtssd.runtime.transport import Channel, PeerLost, RoundBuffers, SharedBuffers, require_mpi
+from trtssd.runtime.transport import Channel, Doorbell, PeerLost, RoundBuffers, SharedBuffers, require_mpi
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -171,7 +171,10 @@ class DraftLink:
 
     def _handshake(self, spec, runtime, layout, draft_model, max_seq_len, timeout_s, buffers) -> None:
         self.channel.poll_interval_s = runtime.poll_interval_s
-        self.channel.send(P.Hello(spec, runtime, layout, draft_model, max_seq_len), P.CONTROL_TAG)
+        # The draft blocks on its doorbell between messages; each message to it rings it.
+        self.channel.ringer = Doorbell.ringer(Doorbell.new_name())
+        self.channel.send(P.Hello(spec, runtime, layout, draft_model, max_seq_len, self.channel.ringer.name),
+                          P.CONTROL_TAG)
         cuda_ipc = layout.transport == Transport.CUDA_IPC.value
         if buffers is not None:
             self.buffers = buffers
@@ -259,6 +262,8 @@ class DraftLink:
             if self.job is not None or self.alive:
                 self.buffers.close()
             self.buffers = None
+        if self.channel.ringer is not None:
+            self.channel.ringer.close()
         self.alive = False
 
 

@@ -19,7 +19,7 @@ from trtssd.runtime import protocol as P
 from trtssd.runtime.affinity import pin
 from trtssd.runtime.cuda_ipc import CudaIpcBuffers
 from trtssd.runtime.draft_server import DraftServer, load_worker
-from trtssd.runtime.transport import Channel, RoundBuffers, SharedBuffers, require_mpi
+from trtssd.runtime.transport import Channel, Doorbell, RoundBuffers, SharedBuffers, require_mpi
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -32,6 +32,8 @@ def serve(comm: MPI.Intracomm, target_rank: int = 0) -> None:
     channel = Channel(comm, target_rank)
     hello: P.Hello = channel.recv(P.CONTROL_TAG)
     channel.poll_interval_s = hello.runtime.poll_interval_s
+    # Rings before this are dropped: the one message before Ready is this Hello, polled for.
+    channel.doorbell = Doorbell.listen(hello.doorbell) if hello.doorbell else None
     pin("draft", hello.runtime.draft_cores, hello.runtime.draft_threads)
     buffers = None
     try:
@@ -50,6 +52,8 @@ def serve(comm: MPI.Intracomm, target_rank: int = 0) -> None:
     finally:
         if buffers is not None:
             buffers.close()
+        if channel.doorbell is not None:
+            channel.doorbell.close()
 
 
 def _open_buffers(comm: MPI.Intracomm, layout: P.BufferLayout) -> RoundBuffers:

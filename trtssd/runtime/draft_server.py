@@ -23,7 +23,7 @@ CALIBRATION_MAX_ROWS = 64  # the widest draft forward timed at start-up (costs b
 
 
 def load_worker(draft_model: ModelRef, spec: SpeculativeConfig, runtime: RuntimeConfig, max_seq_len: int) -> DraftWorker:
-    """The draft model and its worker, calibrated for the auto fan-out."""
+    """The draft model and its worker, calibrated for the auto fan-out and for load control."""
     executor = load_executor(draft_model, max_seqs=runtime.max_batch, max_seq_len=max_seq_len,
                              max_batch_tokens=batch_tokens(spec, runtime), device=runtime.draft_device,
                              device_field="draft_device", row_invariant=False,
@@ -31,14 +31,16 @@ def load_worker(draft_model: ModelRef, spec: SpeculativeConfig, runtime: Runtime
     # The tokenizer is loaded at the first constrained request, not before.
     grammars = Grammars(lambda: load_tokenizer(draft_model.path), executor.vocab_size)
     worker = DraftWorker(executor, spec, runtime.prefix_cache_seqs, grammars)
-    if spec.mode is Mode.SSD and spec.fixed_fanout is None:
+    # The auto fan-out prices trees with it; load control bounds what speculation can give with it.
+    if (spec.mode is Mode.SSD and spec.fixed_fanout is None) or spec.plain_under_load:
         # No wider than this configuration's widest tree or glue: the widest sizes cost the most
         # (seconds of start-up), and measurements beyond them would never be used.
         widest = runtime.max_batch * max(spec.budget, spec.k + 1)
         try:
             worker.calibrate(max_rows=min(CALIBRATION_MAX_ROWS, widest))  # what wider trees cost here
         except Exception:  # noqa: BLE001 - an optimisation: serve with the uncalibrated prior
-            log.exception("draft forward calibration failed; the auto fan-out starts from a linear prior")
+            log.exception("draft forward calibration failed; the auto fan-out starts from a linear prior, load control "
+                          "without a ceiling")
     return worker
 
 

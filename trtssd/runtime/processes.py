@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import subprocess
 import threading
 import time
@@ -198,6 +199,19 @@ class ProcessTree:
 
 # --- a child ending with its parent ---------------------------------------------------------------
 
+def _wait_for_exit(pid: int) -> None:
+    """Block until process ``pid`` exits, without waking meanwhile (a pidfd, Linux 5.3+); return
+    at once where that is unavailable (the caller then polls)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return
+    try:
+        select.select([fd], [], [])
+    finally:
+        os.close(fd)
+
+
 def exit_with(pid: int, before_exit: Callable[[], None]) -> None:
     """Call in a child: once process ``pid`` has ended (killed, say, before it could stop this
     one), run ``before_exit`` and exit at once with status 1 (``os._exit``: a clean exit could
@@ -208,6 +222,7 @@ def exit_with(pid: int, before_exit: Callable[[], None]) -> None:
         watched = None  # gone already
 
     def watch() -> None:
+        _wait_for_exit(pid)
         while watched is not None and _running(watched):
             time.sleep(WATCH_INTERVAL_S)
         before_exit()

@@ -38,6 +38,7 @@ class Hello:
     layout: BufferLayout
     draft_model: ModelRef
     max_seq_len: int  # KV length the draft needs per sequence (prompt + output + glue + tree region)
+    doorbell: str | None = None  # the name the draft listens on for the target's rings (transport.Doorbell)
 
 
 @dataclass(frozen=True)

@@ -32,10 +32,19 @@ running sums wander, so between tries the choice changes only when the other one
 
 Where the forward costs of both ranks are known (the draft's calibration and the target's own),
 they bound what speculation can give: a ``ceiling``. Speculation is tried only while plain rounds
-measure slower than it, so it is never tried where one core's draft costs what plain decoding on
-two does (the default ggml engine's self-draft), or where a verify on the target's one core costs
-more than the tokens it may yield take plainly (the Qwen pair on 2 cores). With a ceiling, a new
-batch size tries plain rounds first, as they are short.
+are slower than it: as measured at the batch size, or, before any was measured there, as the
+target's calibrated forwards on the cores plain rounds run on forecast them (``plain``). So it is
+never tried where one core's draft costs what plain decoding on two does (the default ggml
+engine's self-draft), or where a verify on the target's one core costs more than the tokens it may
+yield take plainly (the Qwen pair on 2 cores), not even in a fresh server's first rounds. Once
+ruled out, it is tried again only when plain rounds measure ``switch_margin`` below the ceiling.
+
+A new batch size runs plain rounds first: they are short, and they measure what speculation must
+beat; speculation's try follows. What tries of speculation cost, the seconds their rounds (catch-up
+rounds included) took beyond what plain rounds would have taken for the same tokens, is at most
+``max_try_share`` of the seconds of all rounds so far, plus the one round that crosses it: a try
+starts only when one that costs what the last did fits, and a try that outgrows the share ends
+with what it measured. Where the costs are unknown this is what bounds a try that loses.
 """
 
 from __future__ import annotations
@@ -79,9 +88,10 @@ class _BatchSize:
     trying: bool | None = None  # the choice a pending try runs
     try_left: int = 0  # rows the try still needs measured
     try_spent: int = 0  # rounds the try has run, measured or not
-    try_s: dict[bool, float] = field(default_factory=dict)  # choice -> seconds its pending (or last) try ran
+    try_s: dict[bool, float] = field(default_factory=dict)  # choice -> seconds its pending (or last) try ran, every round
     since_probe_s: float = 0.0  # seconds of the decided choice since the last try
     ruled_out: bool = False  # plain rounds measured at speculation's ceiling (see _ruled_out)
+    try_cost_s: float = 0.0  # what the pending (or last) try of speculation cost (RoundChooser._charge_try)
 
 
 @dataclass
@@ -94,8 +104,13 @@ class RoundChooser:
     max_unsteady: int = 4  # unsteady rounds in a row after which they are measured
     switch_margin: float = 0.25  # how much faster the other choice must be to switch to it on a batch change
     quiet_per_try: float = 9.0  # seconds of the decided choice before the next try, per second of the last
+    max_try_share: float = 0.1  # most of the rounds' seconds that tries of speculation take (plus one round)
     ceiling: Callable[[int], float] | None = None  # batch -> speculation's best tokens/s (speculation_ceiling)
+    plain: Callable[[int], float] | None = None  # batch -> plain rounds' tokens/s forecast from calibrated forwards
     _by_batch: dict[int, _BatchSize] = field(default_factory=dict)
+    _rounds_s: float = 0.0  # seconds of every round observed
+    _tries_cost_s: float = 0.0  # what tries of speculation cost (seconds beyond plain rounds')
+    _last_try_cost_s: float = 0.0  # what the last try of speculation cost
     _unsteady: int = 0  # unsteady rounds in a row
     _last: bool | None = None  # the choice of the last round
     _last_batch: int | None = None  # the batch size of the last round
@@ -108,13 +123,19 @@ class RoundChooser:
 
     def _speculate(self, batch: int) -> bool:
         b = self._entry(batch)
-        if b.choice is None:  # not measured here yet: the neighbours' answer, else a try
+        if b.trying and self._tries_cost_s > self.max_try_share * self._rounds_s:
+            log.debug("batch %d: a try of speculation outgrew its share of the time: ended", batch)
+            self._end_try(b, batch)
+            self._last_try_cost_s *= 2  # unfinished: the next try waits for more room than it had
+        if b.choice is None and b.trying is None and self._ruled_out(b, batch):
+            b.choice = False  # the costs rule speculation out: no try
+        if b.choice is None:  # not measured here yet: the neighbours' answer, else plain rounds' try
             inferred = self._inferred(batch)
             if inferred is not None:
                 b.trying = None  # rounds of the borrowed choice measure it here meanwhile
                 return inferred
             if b.trying is None:
-                self._start_try(b, self._first_try(b))
+                self._start_try(b, False)
         if b.trying is not None:
             b.try_spent += 1
             # A try goes on until its rounds are measured; under a stream of arrivals they may
@@ -127,7 +148,7 @@ class RoundChooser:
         b.since_probe += 1
         if b.since_probe >= b.probe_every and b.since_probe_s >= self.quiet_per_try * b.try_s.get(not b.choice, 0.0):
             b.since_probe, b.since_probe_s = 0, 0.0
-            if b.choice or not self._ruled_out(b, batch):
+            if b.choice or (not self._ruled_out(b, batch) and self._try_fits()):
                 return self._start_try(b, not b.choice)
         if self._clearly_faster(b, not b.choice):  # the load changed since the last try
             b.choice, b.probe_every = not b.choice, self.min_probe_every
@@ -141,10 +162,13 @@ class RoundChooser:
         if seconds <= 0:
             return
         b = self._entry(batch)
+        self._rounds_s += seconds
         if b.trying is None:
             b.since_probe_s += seconds
-        elif speculative == b.trying:
-            b.try_s[speculative] += seconds
+        else:  # a try's rounds, the other choice's among them (a try of speculation catching up)
+            b.try_s[b.trying] += seconds
+            if b.trying:
+                self._charge_try(b, batch, tokens, seconds)
         if not speculative and not steady:
             return  # the draft's cores were busy: its spell ends by itself, so never measured
         self._unsteady = 0 if steady else self._unsteady + 1
@@ -178,17 +202,15 @@ class RoundChooser:
 
     def expects_plain(self, batch: int) -> bool:
         """Whether rounds at a batch size will be plain for now: decided so there, a try of plain
-        rounds pending or due first (with a ceiling, a new batch size tries them first), or
-        borrowed from a neighbour that decided so."""
+        rounds pending or due first (a new batch size tries them first), or borrowed from a
+        neighbour that decided so."""
         b = self._by_batch.get(batch)
         if b is not None and b.choice is not None:
             return b.choice is False
         if b is not None and b.trying is not None:
             return not b.trying
         inferred = self._inferred(batch)
-        if inferred is not None:
-            return not inferred
-        return self.ceiling is not None and (b is None or False not in b.rates)
+        return True if inferred is None else not inferred
 
     def rate(self, speculative: bool, batch: int) -> float | None:
         """Measured tokens/s of a choice at a batch size (None before any round of it)."""
@@ -208,24 +230,40 @@ class RoundChooser:
             return False
         return than not in b.rates or b.rates[choice].value > (1 + self.switch_margin) * b.rates[than].value
 
-    def _first_try(self, b: _BatchSize) -> bool:
-        """The choice a new batch size tries first: speculation, unless its ceiling is known (then
-        plain rounds, whose short try may rule speculation out)."""
-        if self.ceiling is not None and False not in b.rates:
-            return False
-        return True not in b.rates
+    def _try_fits(self) -> bool:
+        """Whether a try of speculation that costs what the last one did keeps tries within
+        ``max_try_share`` of the rounds' seconds."""
+        cost = self._last_try_cost_s
+        return self._tries_cost_s + cost <= self.max_try_share * (self._rounds_s + cost)
+
+    def _charge_try(self, b: _BatchSize, batch: int, tokens: int, seconds: float) -> None:
+        """Add a round of a try of speculation to what tries cost: its seconds beyond what plain
+        rounds (as measured here, else as forecast) would have taken for its tokens; all of
+        them where neither is known. A round faster than plain ones earns back what the try's
+        earlier rounds cost, never more."""
+        plain = b.rates[False].value if False in b.rates else self.plain(batch) if self.plain is not None else None
+        cost = seconds - (tokens / plain if plain else 0.0)
+        self._tries_cost_s = max(0.0, self._tries_cost_s + cost)
+        b.try_cost_s = max(0.0, b.try_cost_s + cost)
 
     def _ruled_out(self, b: _BatchSize, batch: int) -> bool:
-        """Whether speculation cannot beat the plain rounds measured at this batch size. Once
-        ruled out it stays so until plain rounds fall ``switch_margin`` below the ceiling: their
-        rate wanders with the cache's length, and the ceiling is rarely reached."""
-        if self.ceiling is None or False not in b.rates:
+        """Whether speculation cannot beat plain rounds at this batch size: as measured there, or
+        as forecast before they were. Once ruled out it stays so until plain rounds fall
+        ``switch_margin`` below the ceiling: their rate wanders with the cache's length, and the
+        ceiling is rarely reached."""
+        if self.ceiling is None:
             return False
-        plain, ceiling = b.rates[False].value, self.ceiling(batch)
+        if False in b.rates:
+            plain, source = b.rates[False].value, "measured"
+        elif self.plain is not None:
+            plain, source = self.plain(batch), "forecast"
+        else:
+            return False
+        ceiling = self.ceiling(batch)
         ruled_out = plain * (1 + self.switch_margin if b.ruled_out else 1) >= ceiling
         if ruled_out and not b.ruled_out:
-            log.info("batch %d: plain rounds run at %.1f tokens/s, above the %.1f speculation can give "
-                     "with these forward costs: not tried", batch, plain, ceiling)
+            log.info("batch %d: plain rounds give %.1f tokens/s (%s), above the %.1f speculation can give "
+                     "with these forward costs: not tried", batch, plain, source, ceiling)
         b.ruled_out = ruled_out
         return ruled_out
 
@@ -235,17 +273,25 @@ class RoundChooser:
 
     def _start_try(self, b: _BatchSize, speculative: bool) -> bool:
         b.trying, b.try_left, b.try_spent = speculative, self._try_rows(speculative), 0
-        b.try_s[speculative] = 0.0
+        b.try_s[speculative], b.try_cost_s = 0.0, 0.0
         return speculative
 
     def _end_try(self, b: _BatchSize, batch: int) -> None:
-        """Decide with what the try measured; back off when it confirmed the choice."""
-        b.trying = None
+        """Decide with what the try measured; back off when it confirmed the choice. Plain rounds
+        hold until speculation has measured faster (its try comes as any other, or never where
+        its ceiling rules it out)."""
+        tried, b.trying = b.trying, None
+        if tried:
+            self._last_try_cost_s = b.try_cost_s
         log.debug("batch %d: a try ended; tokens/s speculative %s, plain %s, ceiling %s", batch,
                   *(f"{b.rates[m].value:.1f}" if m in b.rates else None for m in (True, False)),
                   None if self.ceiling is None else f"{self.ceiling(batch):.1f}")
-        if b.choice is None and True not in b.rates and self._ruled_out(b, batch):
+        if True not in b.rates:  # plain rounds' first try, or a try of speculation that measured nothing
             b.choice = False
+            if tried:
+                b.probe_every = min(2 * b.probe_every, self.max_probe_every)
+            else:
+                b.since_probe = b.probe_every  # speculation's first try is due next (where it fits)
         elif len(b.rates) == 2:
             before, b.choice = b.choice, b.rates[True].value >= b.rates[False].value
             b.probe_every = (min(2 * b.probe_every, self.max_probe_every) if b.choice == before

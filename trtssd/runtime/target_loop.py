@@ -238,10 +238,11 @@ class TargetLoop:
         self._released: list[int] = []
         self._last_verify_s = 0.0
         self._target_s: dict[int, float] | None = None  # the target's timed forwards, once
-        self.chooser = RoundChooser(ceiling=self._speculation_ceiling())
+        self.lending = lending  # plain rounds (and prefill without a live draft) borrow the draft's cores
+        ceiling = self._speculation_ceiling()
+        self.chooser = RoundChooser(ceiling=ceiling, plain=self._plain_forecast() if ceiling else None)
         self.lengths = (LengthChooser(spec.k, self._verify_costs())
                         if spec.k_per_round and self.draft is not None else None)
-        self.lending = lending  # plain rounds (and prefill without a live draft) borrow the draft's cores
         self._draft_busy_until = 0.0  # when the draft ends the pre-speculation it began after its last reply
         self._prefill_token_s = 0.0  # the target's last prefill, seconds per token (what the draft's costs at most)
         self._last_prespec_s = 0.0
@@ -259,6 +260,28 @@ class TargetLoop:
             return None  # load control then tries speculation
         return speculation_ceiling(CostCurve.from_mapping(self.draft.step_s, "draft forward seconds"),
                                    CostCurve.from_mapping(target_s, "target forward seconds"), self.spec.k)
+
+    def _plain_forecast(self):
+        """batch -> the tokens/s of plain rounds' forwards, timed here on the cores plain rounds
+        run on (the draft's too, where it lends them; once per machine and model); None where that
+        failed. Load control weighs it against the ceiling before plain rounds are measured."""
+        rows = min(CEILING_MAX_ROWS, self.max_batch)
+        try:
+            if self.lending is None:
+                timed = self._target_forwards()
+            else:
+                self.lending.for_round(plain=True)
+                try:
+                    timed = calibrated_forwards(self.target, rows, side="target", plain_threads=self.lending.lent[1])
+                finally:
+                    self.lending.for_round(plain=False)
+        except Exception:  # noqa: BLE001 - an optimisation
+            log.exception("timing the target's plain forwards failed")
+            return None
+        if not timed:
+            return None
+        curve = CostCurve.from_mapping(timed, "plain forward seconds")
+        return lambda batch: batch / curve(batch)
 
     def _target_forwards(self) -> dict[int, float] | None:
         """The target's forward seconds by rows, timed here on the target's cores (once per

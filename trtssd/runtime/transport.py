@@ -2,7 +2,9 @@
 
 - `Channel`: small control messages over MPI. Waiting polls with `Iprobe` and sleeps between
   polls, because a blocking MPI receive busy-polls a whole core (on a 2-core machine that is
-  the core the other rank computes on).
+  the core the other rank computes on). A channel with a `Doorbell` (the draft's) blocks
+  instead: the sender rings it after each message, so an idle draft takes no cycles from the
+  cores plain rounds borrow (trtssd/runtime/affinity.py) and wakes within tens of microseconds.
 - `RoundBuffers`: the bulk rows of a round, in two buffers so the draft can write round t+1 while
   the target still reads round t. Two implementations:
   - `SharedBuffers` (here): shared host memory. Backed by an MPI-3 shared-memory window when
@@ -16,6 +18,10 @@
 from __future__ import annotations
 
 import logging
+import os
+import select
+import socket
+import sys
 import time
 import uuid
 from typing import TYPE_CHECKING, Callable, Protocol
@@ -31,6 +37,9 @@ if TYPE_CHECKING:  # the real module only through require_mpi: importing it runs
 log = logging.getLogger(__name__)
 
 MAX_POLL_INTERVAL_S = 0.005  # the longest sleep between polls of a long wait
+SPIN_POLLS = 20  # polls without sleeping at the start of a wait, when the answer is imminent
+RING_POLL_S = 0.05  # after a ring, poll this long: its message may still be on its way
+BLOCK_TIMEOUT_S = 1.0  # the longest a doorbell wait blocks before ``alive`` and the deadline are checked
 
 
 def require_mpi(what: str):
@@ -55,16 +64,90 @@ class PeerLost(RuntimeError):
     """The other rank died or did not answer in time."""
 
 
+class Doorbell:
+    """A wake-up beside MPI: a datagram socket in Linux's abstract namespace (no file, so nothing
+    is left behind by a killed rank). The receiving rank binds it (`listen`) and blocks on it while
+    it waits for a message; the sending rank rings it (`ring`) after each message it sends.
+
+    A ring is a hint: one to a rank that is gone or not yet listening is dropped, and a waiter
+    drains every ring before it probes MPI, so a ring can wake it early (it polls a little, then
+    blocks again) but a message is never missed (`Channel.recv`)."""
+
+    def __init__(self, name: str, sock: socket.socket, listening: bool):
+        self.name = name
+        self._sock = sock
+        self._listening = listening
+
+    @staticmethod
+    def new_name() -> str:
+        return f"trtssd-wake-{os.getpid()}-{uuid.uuid4().hex[:16]}"
+
+    @classmethod
+    def listen(cls, name: str) -> "Doorbell | None":
+        """The receiving end, or None where abstract sockets are unavailable (the rank then polls)."""
+        if not sys.platform.startswith("linux"):
+            return None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            sock.bind("\0" + name)
+        except OSError as err:
+            sock.close()
+            log.warning("no doorbell %r (%s): waiting for messages by polling", name, err)
+            return None
+        sock.setblocking(False)
+        return cls(name, sock, listening=True)
+
+    @classmethod
+    def ringer(cls, name: str) -> "Doorbell":
+        """The sending end of the doorbell ``name`` (listened on by the other rank, or not yet)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setblocking(False)
+        return cls(name, sock, listening=False)
+
+    def ring(self) -> None:
+        try:
+            self._sock.sendto(b"\0", "\0" + self.name)
+        except OSError:  # no listener (not yet, or gone) or a full queue: a waiter is awake already
+            pass
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block until a ring (True, every pending ring drained) or ``timeout_s`` (False)."""
+        readable, _, _ = select.select([self._sock], [], [], max(0.0, timeout_s))
+        if not readable:
+            return False
+        while True:
+            try:
+                self._sock.recv(64)
+            except BlockingIOError:
+                return True
+
+    def close(self) -> None:
+        self._sock.close()
+
+
 class Channel:
-    """Pickled control messages to one peer rank of an intracommunicator."""
+    """Pickled control messages to one peer rank of an intracommunicator.
+
+    ``ringer``: the peer's doorbell, rung after every message sent. ``doorbell``: this rank's own,
+    which `recv` blocks on instead of polling."""
 
     def __init__(self, comm: MPI.Intracomm, peer: int, poll_interval_s: float = 0.0002):
         self.comm = comm
         self.peer = peer
         self.poll_interval_s = poll_interval_s
+        self.ringer: Doorbell | None = None
+        self.doorbell: Doorbell | None = None
+        self._rung_at = float("-inf")  # when the doorbell last woke this rank
 
     def send(self, msg: object, tag: int) -> None:
-        self.comm.send(msg, dest=self.peer, tag=tag)
+        if self.ringer is None:
+            self.comm.send(msg, dest=self.peer, tag=tag)
+            return
+        # Started, rung, then completed: a large message completes only once the receiver probes,
+        # which a receiver blocked on its doorbell does after the ring.
+        request = self.comm.isend(msg, dest=self.peer, tag=tag)
+        self.ringer.ring()
+        request.wait()
 
     def poll(self, tag: int) -> bool:
         return self.comm.iprobe(source=self.peer, tag=tag)
@@ -73,23 +156,36 @@ class Channel:
         self, tag: int, timeout_s: float | None = None, alive: Callable[[], bool] = lambda: True
     ) -> object:
         """Wait for a message without spinning; PeerLost on timeout or when ``alive()`` turns
-        False (checked between polls, so a dead peer is noticed within a poll interval)."""
+        False (checked between polls, so a dead peer is noticed within a poll interval, or within
+        ``BLOCK_TIMEOUT_S`` while blocked on the doorbell)."""
         start = time.monotonic()
         deadline = None if timeout_s is None else start + timeout_s
-        spins = 0
+        probes = 0
+        polls = 0  # since the wait began, or since the last ring
         while not self.comm.iprobe(source=self.peer, tag=tag):
-            if deadline is not None and time.monotonic() > deadline:
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
                 raise PeerLost(f"no message from rank {self.peer} within {timeout_s:.1f} s")
-            spins += 1
-            if spins % 64 == 0 and not alive():
+            probes += 1
+            polls += 1
+            if probes % 64 == 0 and not alive():
                 raise PeerLost(f"rank {self.peer} exited")
-            # A short spin first keeps the hand-off latency low when the answer is imminent; a
-            # long wait (a draft idle through plain rounds) polls less often, since each wake-up
-            # takes a slice of a core the target may be borrowing (trtssd/runtime/affinity.py):
-            # a message is noticed within a fiftieth of the wait so far.
-            if spins > 20:
-                waited_s = time.monotonic() - start
-                time.sleep(min(MAX_POLL_INTERVAL_S, max(self.poll_interval_s, waited_s / 50)))
+            if polls <= SPIN_POLLS:
+                continue  # the answer may be imminent
+            if self.doorbell is not None and now - self._rung_at > RING_POLL_S:
+                # Every ring is drained before the next probe, and the sender rings after each
+                # message: a message is either probed next or announced by a ring still to come.
+                wait_s = BLOCK_TIMEOUT_S if deadline is None else min(BLOCK_TIMEOUT_S, deadline - now)
+                if self.doorbell.wait(wait_s):
+                    self._rung_at, polls = time.monotonic(), 0
+                elif not alive():
+                    raise PeerLost(f"rank {self.peer} exited")
+                continue
+            # A long wait polls less often, since each wake-up takes a slice of a core the other
+            # rank may be using (trtssd/runtime/affinity.py): a message is noticed within a
+            # fiftieth of the wait so far (since the last ring, after one).
+            waited_s = now - max(start, self._rung_at)
+            time.sleep(min(MAX_POLL_INTERVAL_S, max(self.poll_interval_s, waited_s / 50)))
         return self.comm.recv(source=self.peer, tag=tag)
 
 

@@ -197,6 +197,48 @@ def test_long_chains_are_cut_and_aligned_the_same_way(smollm2_gguf):
     assert torch.equal(rows[0], rows[1])
 
 
+def test_a_file_without_tiled_weights_decodes_every_row_in_one_forward(smollm2_gguf, tiny_gguf, monkeypatch):
+    """SmolLM2's Q4_1 / Q8_0 weights (and a Q8_0 file) never go to llama.cpp's tiled matmul, so
+    the rows of 12 sequences, and short prompts beside them, run in one llama_decode of up to 63
+    tokens: every row bit-identical to the same sequence decoded alone."""
+    from trtssd.backends import ggml_backend
+
+    assert ggml_backend.widest_exact_piece(smollm2_gguf) == 63
+    assert ggml_backend.widest_exact_piece(tiny_gguf) == 63
+    with monkeypatch.context() as m:  # the tiled matmul off: every file decodes wide
+        m.setenv("GGML_CPU_TILED_MM", "0")
+        assert ggml_backend.widest_exact_piece(smollm2_gguf) == 63
+    prompts = [_prompt(20 + 3 * s, s) for s in range(12)]
+    refs = []
+    for p in prompts:
+        ex = GgmlExecutor(smollm2_gguf, max_seqs=1, max_seq_len=256, threads=2)
+        refs.append(_ar_logits(ex, p, 3))
+        ex.close()
+    ex = GgmlExecutor(smollm2_gguf, max_seqs=12, max_seq_len=512, threads=2)
+    decodes = []
+    real = ex._decode
+    monkeypatch.setattr(ex, "_decode", lambda entries: decodes.append(len(entries)) or real(entries))
+    for s in range(12):
+        ex.add_sequence(s)
+    # Two short prompts in one forward (20 + 23 tokens): one decode, as their rows are invariant.
+    first = ex.forward([chain_chunk(s, prompts[s], 0, last_logits_only=True) for s in range(2)])
+    assert decodes == [43]
+    rest = ex.forward([chain_chunk(s, prompts[s], 0, last_logits_only=True) for s in range(2, 12)])
+    tokens = [[int(o[-1].argmax())] for o in first + rest]
+    for s in range(12):
+        ex.commit(s, len(prompts[s]))
+    decodes.clear()
+    for step in range(3):
+        outs = ex.forward([chain_chunk(s, tokens[s][-1:], ex.committed(s)) for s in range(12)])
+        for s in range(12):
+            ex.commit(s, 1)
+            assert torch.equal(outs[s][-1], refs[s][1][step]), (s, step)
+            tokens[s].append(int(outs[s][-1].argmax()))
+    assert decodes == [12, 12, 12]  # one forward a step, not pieces of 7
+    assert [t[:3] for t in tokens] == [r[0] for r in refs]
+    ex.close()
+
+
 def test_non_tree_mask_is_refused(tiny_gguf):
     ex = GgmlExecutor(tiny_gguf, max_seqs=1, max_seq_len=64, threads=1)
     ex.add_sequence(0)
@@ -232,3 +274,45 @@ def test_default_engine_on_ggml_greedy_equals_ar(tmp_path):
         with LLM(str(engine), mode=mode, max_batch=4, max_seq_len=256, plain_under_load=False) as llm:
             outs[mode] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["sd"] == outs["ar"] and outs["ssd"] == outs["ar"]
+
+
+def test_without_row_invariance_forwards_go_to_llama_cpp_whole(tmp_path, smollm2_gguf, monkeypatch):
+    """``row_invariant=False`` (RuntimeConfig, ``--no-row-invariant``): a forward is one
+    llama_decode, however wide (as llama-server batches); an engine serves every mode with it."""
+    ex = GgmlExecutor(smollm2_gguf, max_seqs=12, max_seq_len=512, threads=2, row_invariant=False)
+    decodes = []
+    real = ex._decode
+    monkeypatch.setattr(ex, "_decode", lambda entries: decodes.append(len(entries)) or real(entries))
+    for s in range(12):
+        ex.add_sequence(s)
+    ex.forward([chain_chunk(s, _prompt(30, s), 0, last_logits_only=True) for s in range(12)])
+    assert decodes == [360]
+    ex.close()
+    engine = build_engine(out_dir=tmp_path, backend="ggml", progress=False)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for mode in ("ar", "ssd"):
+        with LLM(str(engine), mode=mode, max_batch=4, max_seq_len=256, plain_under_load=False,
+                 row_invariant=False) as llm:
+            assert llm.loop.target.row_invariant is False
+            outs = llm.generate(["def fibonacci(n):", "The capital of France is"], params)
+            assert [len(o.token_ids) for o in outs] == [24, 24]
+
+
+def test_a_lone_plain_row_verifies_an_ngram_guess_in_its_filler_row(tmp_path, monkeypatch):
+    """A plain round of one row over a long cache on two threads carries a filler row
+    (GgmlExecutor.spare_rows): outside ar mode it verifies an n-gram guess there instead, as a
+    point mass. Greedy output stays ar's token for token, and accepted guesses emit two tokens
+    in one forward."""
+    engine = build_engine(out_dir=tmp_path, backend="ggml", progress=False)
+    prompt = "Count: " + ", ".join(str(i % 10) for i in range(150))  # past 256 cells: filler rows
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    with LLM(str(engine), mode="ar", max_batch=2, max_seq_len=512) as llm:
+        ar = llm.generate([prompt], params)[0].token_ids
+        assert llm.metrics.summary()["spare_row_guesses"] == 0  # ar rounds are the reference
+    with LLM(str(engine), mode="sd", max_batch=2, max_seq_len=512) as llm:
+        monkeypatch.setattr(llm.loop, "_speculate_now", lambda: False)  # load control: plain rounds
+        out = llm.generate([prompt], params)[0]
+        summary = llm.metrics.summary()
+    assert out.token_ids == ar
+    assert summary["spare_row_guesses"] > 20 and summary["spare_row_guesses_accepted"] > 10
+    assert summary["plain_rounds"] < 60  # accepted guesses: fewer forwards than tokens

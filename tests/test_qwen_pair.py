@@ -345,3 +345,34 @@ def test_k_quant_rows_bit_identical_in_a_batch_of_verify_chains(ggml_engine):
             assert torch.equal(outs[s], torch.stack(rows[s][start:start + 4])), (s, start)
             ex.commit(s, 4)
     ex.close()
+
+
+def test_k_quant_prompts_prefilled_together_equal_prompts_prefilled_alone(ggml_engine):
+    """On a Q4_K_M target rows stay in pieces of at most 7 tokens, and prompts of 8 tokens or more
+    go to the tiled matmul: several such prompts share one forward (below 64 tokens), with the
+    same first logits and the same next rows as each prompt prefilled alone."""
+    from trtssd.backends.ggml_backend import GgmlExecutor, widest_exact_piece
+
+    path = ggml_engine / load_manifest(ggml_engine)["target"]["path"]
+    assert widest_exact_piece(path) == 7
+    prompts = [[(i * 7919 + s * 104729) % 40000 + 100 for i in range(9 + 5 * s)] for s in range(4)]  # 9..24
+
+    def run(together: bool) -> list[torch.Tensor]:
+        ex = GgmlExecutor(path, max_seqs=4, max_seq_len=128, threads=2)
+        decodes = []
+        real = ex._decode
+        ex._decode = lambda entries: decodes.append(len(entries)) or real(entries)
+        for s in range(4):
+            ex.add_sequence(s)
+        chunks = [chain_chunk(s, p, 0, last_logits_only=True) for s, p in enumerate(prompts)]
+        firsts = ex.forward(chunks) if together else [ex.forward([c])[0] for c in chunks]
+        assert decodes == ([9 + 14 + 19, 24] if together else [9, 14, 19, 24])
+        for s, p in enumerate(prompts):
+            ex.commit(s, len(p))
+        nexts = ex.forward([chain_chunk(s, [int(f[-1].argmax())], len(p)) for s, (f, p) in
+                            enumerate(zip(firsts, prompts))])
+        ex.close()
+        return [f[-1] for f in firsts] + [n[-1] for n in nexts]
+
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)

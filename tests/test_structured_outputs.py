@@ -38,7 +38,7 @@ def _greedy(schema: dict) -> SamplingParams:
 
 
 PATHS = {
-    "sd": ("sd", {}, False),
+    "sd": ("sd", {"plain_under_load": False}, False),
     "ssd-neural": ("ssd", {"backup": "neural", "plain_under_load": False}, False),
     "ssd-fast": ("ssd", {"backup": "fast", "plain_under_load": False}, False),
     "ssd-plain-rounds": ("ssd", {}, True),

@@ -236,9 +236,9 @@ def test_triton_and_the_openai_server_count_the_same():
             assert sample(family.name + "_sum", metric.labels) == sum(metric.observed), family.name
         elif family.kind == FakeFamily.COUNTER:
             assert sample(family.name, metric.labels) == metric.value, (family.name, metric.labels)
-    # 20 unlabelled (4 of prefix caching, 4 of structured outputs); 3 positions, 2 backups, 2
+    # 22 unlabelled (4 of prefix caching, 2 of spare-row guesses, 4 of structured outputs); 3 positions, 2 backups, 2
     # finish reasons (stop, abort)
-    assert sum(family.kind == FakeFamily.COUNTER for family, _ in series) == 20 + 3 + 2 + 2
+    assert sum(family.kind == FakeFamily.COUNTER for family, _ in series) == 22 + 3 + 2 + 2
 
 
 # --- one real server ------------------------------------------------------------------------------

@@ -181,6 +181,13 @@ class RuntimeConfig:
     lend_draft_cores: str = _opt("exact", "plain rounds of a ggml target on the draft's cores too: exact (rows stay "
                                  "bit-identical), always (also llama.cpp's own multi-thread decoding) or never",
                                  choices=LEND_DRAFT_CORES)
+    # Batch invariance: a ggml target's rows keep the same sums alone and in any batch
+    # (trtssd/backends/ggml_backend.py), so greedy output is the same in every mode and at every
+    # load, bit for bit. Off, forwards go to llama.cpp whole, as llama-server sends them.
+    row_invariant: bool = _opt(True, "a ggml target computes each row the same whatever its batch (greedy output "
+                               "equal across modes and loads, bit for bit); off: llama.cpp's own batching, faster "
+                               "at 8+ rows on K-quant files, greedy output may differ at near-ties (sampled output "
+                               "keeps the target's distribution either way)")
     target_device: str = _opt("cpu", "'cpu', 'cuda' or 'cuda:N': where the target's weights, KV pool and forwards "
                               "live (CUDA: unverified)")
     draft_device: str = _opt("cpu", "the same for the draft rank (on one GPU both ranks may share it)")

@@ -106,6 +106,11 @@ class Executor(Protocol):
         committed tokens of ``src_seq_id`` as its committed prefix: the prefix cache's reuse of a
         prompt's KV. Optional: an executor without it gets no prefix caching."""
 
+    def spare_rows(self, tokens: int) -> int:
+        """Tokens a forward of ``tokens`` tokens could carry besides them at no extra cost: a
+        ggml target pads a lone token over a long cache with a filler row (trtssd/backends/
+        ggml_backend.py), in which a plain round verifies a guess instead. 0 for most executors."""
+
     def copy_slots(self, seq_id: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the KV at storage slots ``src`` (already written, not committed) to slots ``dst``
         (at or after the committed prefix), in every layer, as if gathered before scattering.

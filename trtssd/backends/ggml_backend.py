@@ -35,19 +35,26 @@ setting; tests/test_ggml_backend.py checks each, so an upgrade that breaks one f
   512). The prefix such a chain continues (a chunked prompt's earlier pieces, a cached prefix)
   must lie so too, and a compaction moves cells by whatever was trashed before them: a sequence
   whose prefix a compaction moved is *realigned* before its next long chain (its prefix copied
-  out and laid back from an aligned cell, as a cached prefix is loaded). Every other forward goes to llama.cpp in pieces of at most 7 tokens: from 8 tokens on,
-  llama.cpp multiplies K-quant and IQ weights (Q4_K_M files, and the Q6_K output matrix most
-  quantized files carry) with a tiled kernel whose sums differ from its one-row kernel's by up to
-  0.5 in a logit (measured on the Qwen2.5-Coder 1.5B Q4_K_M target); pieces of 2 to 7 tokens keep
-  every row on the one-row kernel, whatever the batch. A prompt of 8 tokens or more (a chunk
-  asking for its last logits only) is decoded alone instead, on the tiled kernel: every mode and
-  batch prefills it so, and its rows are never compared with decoded ones.
+  out and laid back from an aligned cell, as a cached prefix is loaded).
+- Every other forward stays below 64 tokens, on the one-row attention kernel. Its matmuls keep a
+  row's sums whatever the batch, except llama.cpp's tiled matmul (ggml-cpu/tiled), which takes
+  K-quant and IQ weights (Q4_K_M files, and the Q6_K output matrix many quantized files carry) in
+  forwards of 8 rows or more: its sums differ from the one-row kernel's by up to 0.5 in a logit
+  (measured on the Qwen2.5-Coder 1.5B Q4_K_M target). So a file with such weights decodes in
+  pieces of at most 7 tokens (unless that matmul is off, ``GGML_CPU_TILED_MM=0``), any other in
+  pieces of up to 63: every running sequence's rows in one forward
+  (docs/bench/ggml-exact-rows-full-batch measures both). On such a file a prompt of 8 tokens or
+  more (a chunk asking for its last logits only) is decoded with other such prompts only, on the
+  tiled matmul: every mode and batch prefills it so, and its rows are never compared with decoded
+  ones.
 - A one-token forward on two or more threads splits a long cache (past 256 cells, where the
   attention's key view reaches 512) across the threads, and its sums change: the pieces above
   never hold a single token, and a forward of one token over a long cache (a plain round of one
   row that borrows the draft's cores, trtssd.runtime.affinity.CoreLending) gets a filler token
   beside it, unless ``set_threads(n, split_single_rows=True)`` asks for llama.cpp's own
-  multi-thread decoding, faster and no longer bit-identical to the rows of a verify chain. Where
+  multi-thread decoding, faster and no longer bit-identical to the rows of a verify chain.
+  ``spare_rows`` tells the loop where the filler would go: a plain round outside ar mode puts a
+  guess at the next token there instead (trtssd/runtime/target_loop.py, ``_spare_row_guess``). Where
   only trashed cells make the cache that long (requests came and went), it is compacted instead:
   a copy of the few live cells once, against a whole extra row on every token.
 
@@ -59,12 +66,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+import gguf
 import numpy as np
 import torch
 
@@ -77,8 +86,13 @@ MAX_LANES = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence ids per context
 _FLASH_ATTN_ENABLED = 1  # llama_flash_attn_type: LLAMA_FLASH_ATTN_TYPE_ENABLED
 _MIN_CELLS = 1024
 _UBATCH = 512  # tokens per llama.cpp micro-batch (its compute buffer is sized for it)
-_SHORT_PIECE = 7  # the most tokens of a forward below llama.cpp's tiled K-quant matmul (ggml-cpu/tiled: 8)
 _TILE = 64  # llama.cpp's CPU flash attention tiles forwards of this many tokens and more
+_SHORT_PIECE = 7  # the most tokens of a forward below llama.cpp's tiled K-quant matmul (ggml-cpu/tiled: 8)
+_WIDE_PIECE = _TILE - 1  # the most tokens of a forward on one-row kernels when that matmul takes no weight
+# Weight types llama.cpp's tiled matmul takes (ggml-cpu/tiled/tiled.cpp's type switch).
+_TILED_TYPES = frozenset(gguf.GGMLQuantizationType[name].value for name in (
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+    "IQ4_XS"))
 _PROMPT_CUT = 512  # a long chain is cut at positions that are multiples of this
 _COMPACT_AFTER = 256  # trashed cells that trigger a compaction
 _SPLIT_AFTER = 256  # with more cells than this, llama.cpp splits a one-token forward's keys across threads
@@ -112,6 +126,37 @@ def llama_library():
             llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
             _initialized = True
     return llama_cpp
+
+
+def weight_types(path: str | Path) -> set[int]:
+    """The ggml types of a GGUF file's tensors, read by ggml's own GGUF parser (headers only)."""
+    from llama_cpp._ggml import libggml
+
+    class _InitParams(ctypes.Structure):
+        _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
+
+    libggml.gguf_init_from_file.restype = ctypes.c_void_p
+    libggml.gguf_init_from_file.argtypes = [ctypes.c_char_p, _InitParams]
+    libggml.gguf_get_n_tensors.restype = ctypes.c_int64
+    libggml.gguf_get_n_tensors.argtypes = [ctypes.c_void_p]
+    libggml.gguf_get_tensor_type.restype = ctypes.c_int
+    libggml.gguf_get_tensor_type.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    libggml.gguf_free.argtypes = [ctypes.c_void_p]
+    handle = libggml.gguf_init_from_file(str(path).encode(), _InitParams(True, None))
+    if not handle:
+        raise ValueError(f"not a GGUF file ggml can read: {path}")
+    try:
+        return {libggml.gguf_get_tensor_type(handle, i) for i in range(libggml.gguf_get_n_tensors(handle))}
+    finally:
+        libggml.gguf_free(handle)
+
+
+def widest_exact_piece(path: str | Path) -> int:
+    """The most tokens of a forward whose rows keep their one-row sums on this file (module
+    docstring): 7 where llama.cpp's tiled matmul takes some of its weights, 63 elsewhere."""
+    if os.environ.get("GGML_CPU_TILED_MM", "1").strip() == "0":
+        return _WIDE_PIECE
+    return _SHORT_PIECE if weight_types(path) & _TILED_TYPES else _WIDE_PIECE
 
 
 @dataclass(eq=False)
@@ -212,6 +257,7 @@ class GgmlExecutor:
         self._memory = L.llama_get_memory(self._ctx)
         self._batch = L.llama_batch_init(cparams.n_batch, 0, 1)
         self.row_invariant = row_invariant
+        self.piece = widest_exact_piece(self.path) if row_invariant else None
         self.prompt_splits = TiledPromptSplits() if row_invariant else PromptSplits()
         self._n_cells = cparams.n_ctx
         # Two lanes nobody attends to: the trash holds freed cells until a compaction, the filler
@@ -410,9 +456,7 @@ class GgmlExecutor:
         for seq in self._moved_prefixes(chunks, seqs):
             self._realign(seq)
         per_chunk = []  # each chunk's (token, position, lane id, wants logits)
-        # Prompts, also those asking for every row's logits (prompt logprobs): their KV is then
-        # the same as without, so what follows is too.
-        alone = [(c.last_logits_only or c.prompt) and c.tokens.numel() > _SHORT_PIECE for c in chunks]
+        per_chunk = []  # each chunk's (token, position, lane id, wants logits)
         for c, seq in zip(chunks, seqs):
             lanes = self._place(c, seq)
             n = c.tokens.numel()
@@ -421,7 +465,10 @@ class GgmlExecutor:
         if not self.row_invariant:
             logits = self._decode([e for entries in per_chunk for e in entries])
         else:
-            logits = self._decode_invariant(per_chunk, alone)
+            # Prompts, also those asking for every row's logits (prompt logprobs): their KV is then
+            # the same as without, so what follows is too.
+            prompts = [(c.last_logits_only or c.prompt) and c.tokens.numel() > self.piece for c in chunks]
+            logits = self._decode_invariant(per_chunk, prompts)
         sizes = [1 if c.last_logits_only else c.tokens.numel() for c in chunks]
         return list(logits.split(sizes))
 
@@ -497,33 +544,48 @@ class GgmlExecutor:
         lane.region = dict(visible)
         return lane
 
-    def _decode_invariant(self, per_chunk: list[list[tuple[int, int, int, bool]]], alone: list[bool]) -> torch.Tensor:
+    def _decode_invariant(self, per_chunk: list[list[tuple[int, int, int, bool]]], prompts: list[bool]) -> torch.Tensor:
         """The forward as llama.cpp decodes it row-invariantly (module docstring): long chains
-        alone, aligned and cut at fixed positions; prompts alone; the rest in pieces of 2 to 7
-        tokens. Logits rows come back in entry order."""
-        rows: list[tuple[int, torch.Tensor]] = []  # (first entry index, logits rows) per decode
-        short: list[tuple[int, tuple]] = []
-        start = 0
-        for entries, prompt in zip(per_chunk, alone):
-            if len(entries) >= _TILE:
-                self._align(entries[0][1])
-                for a, b in _chain_pieces(entries[0][1], len(entries)):
-                    rows.append((start + a, self._decode(entries[a:b])))
+        alone, aligned and cut at fixed positions; prompts longer than a piece together, below 64
+        tokens a forward; the rest in pieces of 2 to ``self.piece`` tokens. Logits rows come back
+        in entry order."""
+        entries = [e for chunk in per_chunk for e in chunk]
+        chains: list[list[int]] = []  # entry indices decoded together from an aligned cell
+        tiled_prompts, short, start = [], [], 0
+        for chunk, prompt in zip(per_chunk, prompts):
+            span = list(range(start, start + len(chunk)))
+            if len(chunk) >= _TILE:
+                chains += [span[a:b] for a, b in _chain_pieces(chunk[0][1], len(chunk))]
             elif prompt:
-                rows.append((start, self._decode(entries)))
+                tiled_prompts.append(span)
             else:
-                short += [(start + i, e) for i, e in enumerate(entries)]
-            start += len(entries)
-        for a, b in _pieces(len(short), _SHORT_PIECE):
-            entries = [e for _, e in short[a:b]]
-            padded = self._splits(len(entries), self._allocated)
-            if padded:  # a filler token beside it: two rows are not split across threads
-                entries.append((0, 0, self._filler, False))
-            rows.append((short[a][0], self._decode(entries)))
-            if padded:
-                self._trash_filler(1)
-        rows.sort(key=lambda r: r[0])
-        return torch.cat([r for _, r in rows])
+                short += span
+            start += len(chunk)
+        others = _packed(tiled_prompts, _TILE - 1) + [short[a:b] for a, b in _pieces(len(short), self.piece)]
+        wanted = [i for i, e in enumerate(entries) if e[3]]
+        row_of = {i: r for r, i in enumerate(wanted)}
+        out = torch.empty(len(wanted), self.vocab_size)
+        for n, indices in enumerate(chains + others):
+            if n < len(chains):  # a piece continuing its chain's aligned cells stays aligned
+                self._align(entries[indices[0]][1])
+            rows = self._decode_padded([entries[i] for i in indices])
+            out[[row_of[i] for i in indices if entries[i][3]]] = rows
+        return out
+
+    def _decode_padded(self, entries: list[tuple[int, int, int, bool]]) -> torch.Tensor:
+        """One decode, with a filler token beside a lone token that llama.cpp would split across
+        threads: two rows are not split."""
+        padded = self._splits(len(entries), self._allocated)
+        if not padded:
+            return self._decode(entries)
+        rows = self._decode(entries + [(0, 0, self._filler, False)])
+        self._trash_filler(1)
+        return rows
+
+    def spare_rows(self, tokens: int) -> int:
+        """1 where a forward of one token would carry a filler row (no compaction first), else 0."""
+        padded = self.row_invariant and self._splits(tokens, self._allocated) and not self._trash_splits(tokens)
+        return int(padded)
 
     def _splits(self, tokens: int, cells: int) -> bool:
         """Whether llama.cpp would split a forward of ``tokens`` across threads over a cache of
@@ -703,6 +765,18 @@ def _pieces(n: int, size: int) -> list[tuple[int, int]]:
     if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
         bounds[-2] -= 1
     return list(zip(bounds, bounds[1:]))
+
+
+def _packed(spans: list[list[int]], limit: int) -> list[list[int]]:
+    """Spans packed in order into groups of at most ``limit`` entries (a span longer than that
+    alone)."""
+    groups: list[list[int]] = []
+    for span in spans:
+        if groups and len(groups[-1]) + len(span) <= limit:
+            groups[-1] += span
+        else:
+            groups.append(list(span))
+    return groups
 
 
 def _chain_pieces(first: int, n: int) -> list[tuple[int, int]]:

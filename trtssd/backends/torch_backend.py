@@ -260,6 +260,9 @@ class TorchExecutor:
                 cache[dst.row, :, :n_tokens] = cache[src.row, :, :n_tokens]
         dst.committed = dst.written = n_tokens
 
+    def spare_rows(self, tokens: int) -> int:
+        return 0  # every row of a forward costs its compute here
+
     def copy_slots(self, seq_id: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         seq = self._seq(seq_id)
         src = torch.as_tensor(src).reshape(-1)

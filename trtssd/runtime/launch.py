@@ -44,7 +44,7 @@ def start_target(target: ModelRef, spec: SpeculativeConfig, runtime: RuntimeConf
                    max_batch_tokens=batch_tokens(spec, runtime))
     if runtime.tensor_parallel_size == 1:
         return load_executor(target, device=runtime.target_device, device_field="target_device",
-                             kept_prompts=runtime.prefix_cache_seqs, **options)
+                             kept_prompts=runtime.prefix_cache_seqs, row_invariant=runtime.row_invariant, **options)
     if runtime.target_backend is TargetBackend.TRTLLM:
         # TensorRT-LLM runs its engine's T ranks itself (trtssd/trtllm/executor_target.py: the
         # executor's orchestrator or leader mode); the torch target kept for prefill and the request
@@ -62,7 +62,7 @@ def start_target(target: ModelRef, spec: SpeculativeConfig, runtime: RuntimeConf
                              f"{runtime.tensor_parallel_size}: use launch 'spawn' or 'local' (TensorRT-LLM's "
                              "orchestrator mode starts the engine's ranks; docs/tensorrt_llm.md, Tensor parallelism)")
         return load_executor(target, device=runtime.target_device, device_field="target_device",
-                             kept_prompts=runtime.prefix_cache_seqs, **options)
+                             kept_prompts=runtime.prefix_cache_seqs, row_invariant=runtime.row_invariant, **options)
     if runtime.target_backend is not TargetBackend.TORCH:
         raise ValueError(f"tensor_parallel_size must be 1 with target_backend {runtime.target_backend.value!r} (only "
                          f"the torch and trtllm targets are split); got {runtime.tensor_parallel_size}")

@@ -41,6 +41,8 @@ class SpeculationMetrics:
     plain_rounds: int = 0  # rounds decoded without the draft by load control (it measured faster)
     draft_cached_tokens: int = 0  # prompt tokens the draft's prefix cache gave it (not prefilled there)
     draft_prompt_tokens: int = 0  # prompt tokens looked up in the draft's prefix cache (0: the draft never reported)
+    spare_row_guesses: int = 0  # plain rounds that verified an n-gram guess in a spare row
+    spare_row_guesses_accepted: int = 0
     # Structured outputs: rounds that verified the grammar's forced tokens (instead of the draft's
     # proposals, or in a plain round), those tokens, the ones accepted, and the masks' seconds.
     grammar_rounds: int = 0
@@ -66,6 +68,11 @@ class SpeculationMetrics:
                 self.neural_backups += 1
             else:
                 self.fast_backups += 1
+
+    def record_guess(self, accepted: bool) -> None:
+        """One plain round that verified an n-gram guess in its forward's spare row."""
+        self.spare_row_guesses += 1
+        self.spare_row_guesses_accepted += int(accepted)
 
     def record_grammar_round(self, proposed: int, accepted: int) -> None:
         """One row's round that verified ``proposed`` tokens the grammar forced."""

@@ -43,6 +43,7 @@ from trtssd.runtime.speedup_model import CostCurve, StepCostModel, calibrated_fo
 from trtssd.runtime.transport import PeerLost
 from trtssd.sampling import (FieldError, SamplingParams, TokenLogprob, make_generator, processed_probs,
                              prompt_logprobs, sample, token_logprobs)
+from trtssd.spec_decode.backup import ngram_proposal
 from trtssd.spec_decode.verify import verify
 from trtssd.structured.constraint import ConstraintError
 from trtssd.structured.grammar import GrammarState, Grammars, apply_bitmask, chain_bitmask
@@ -561,16 +562,19 @@ class TargetLoop:
         self._take_cores(plain=steady)
         self._release_on_draft()  # the draft waits for no round's request now
         forced = self._forced(seqs, self.spec.k) if self.spec.mode is not Mode.AR else []
-        if any(forced):  # the grammar's forced tokens, verified in this round's one forward
-            result = self.verifier.verify(seqs, _proposal_tensor(forced, self.spec.k), None, (True,) * len(seqs),
-                                          tuple(len(f) for f in forced))
+        guess = [] if any(forced) else self._spare_row_guess(seqs)
+        proposed = forced if any(forced) else [guess] if guess else []
+        if proposed:  # the grammar's forced tokens or a guess, verified in this round's one forward
+            result = self.verifier.verify(seqs, _proposal_tensor(proposed, self.spec.k), None, (True,) * len(seqs),
+                                          tuple(len(f) for f in proposed))
         else:
             result = self.verifier.plain(seqs)
-            forced = [[] for _ in seqs]
+        proposed = proposed or [[] for _ in seqs]
+        forced = forced if any(forced) else [[] for _ in seqs]
         total_emitted = 0
         for i, (seq, n, tok) in enumerate(zip(seqs, result.num_accepted, result.bonus)):
             seq.spec_streak = 0
-            emitted = forced[i][:n] + [tok]
+            emitted = proposed[i][:n] + [tok]
             if chosen:
                 seq.metrics.plain_rounds += 1
                 seq.outcome = dataclasses.replace(seq.outcome, plain=seq.outcome.plain + tuple(emitted))
@@ -580,8 +584,23 @@ class TargetLoop:
             total_emitted += kept
             if forced[i]:
                 seq.metrics.record_grammar_round(len(forced[i]), min(n, kept))
+            elif guess:
+                seq.metrics.record_guess(n > 0)
         if chosen:  # forced tokens count: load control weighs plain rounds by what they emit
             self.chooser.observe(False, len(seqs), total_emitted, self._round_s(t0, u0), steady=steady)
+
+    def _spare_row_guess(self, seqs: list[Sequence]) -> list[int]:
+        """An n-gram guess at a lone row's next token where the target's forward carries a spare
+        row anyway (a ggml target pads a lone token over a long cache): verified as a point mass,
+        it is free and exact. None in ar mode (its rounds are the reference), for a constrained row
+        (its grammar decides) or a seeded sampled one (its seed promises the same draws at any
+        load, and a verify draws differently from a plain step)."""
+        if self.spec.mode is Mode.AR or len(seqs) != 1 or not self.target.spare_rows(1):
+            return []
+        seq = seqs[0]
+        if seq.grammar is not None or (seq.params.seed is not None and not seq.params.is_greedy):
+            return []
+        return ngram_proposal(seq.prompt + seq.output, 1)
 
     def _speculative_round(self, outputs: list[StepOutput]) -> None:
         seqs = [s for s in self.running if s.on_draft]

@@ -277,6 +277,9 @@ class TensorParallelExecutor:
     def share_prefix(self, src_seq_id: int, dst_seq_id: int, n_tokens: int) -> None:
         self._mirrored("share_prefix", src_seq_id, dst_seq_id, n_tokens)
 
+    def spare_rows(self, tokens: int) -> int:
+        return 0  # every row of a forward costs its compute here
+
     def copy_slots(self, seq_id: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         self._check_alive()
         self.shard.copy_slots(seq_id, src, dst)

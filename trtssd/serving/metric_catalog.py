@@ -113,6 +113,10 @@ METRICS = (
     _counter("degraded_rounds", "trtssd:degraded_rounds", "Rounds decoded without the draft (lost draft: ar mode)."),
     _counter("plain_rounds", "trtssd:plain_rounds",
              "Rounds load control decoded plainly because that measured faster."),
+    _counter("spare_row_guesses", "trtssd:spare_row_guesses",
+             "Plain rounds of one row that verified an n-gram guess in the row its forward carries anyway."),
+    _counter("spare_row_guesses_accepted", "trtssd:spare_row_guesses_accepted",
+             "Spare-row guesses accepted: two tokens from one forward."),
     _counter("grammar_rounds", "trtssd:structured_output_forced_rounds",
              "Rows' rounds that verified the tokens a constraint's grammar forced (structured outputs)."),
     _counter("grammar_proposed_tokens", "trtssd:structured_output_forced_tokens",
@@ -131,7 +135,7 @@ METRICS = (
 # Unlabelled counters that are the sum of the SpeculationMetrics field of the same name.
 _SPEC_TOTALS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "cache_hits", "cache_misses",
                 "accepted_on_hit", "accepted_on_miss", "tree_branches", "degraded_rounds", "plain_rounds",
-                "grammar_rounds", "grammar_proposed_tokens", "grammar_accepted_tokens", "grammar_mask_time_s")
+                "spare_row_guesses", "spare_row_guesses_accepted", "grammar_rounds", "grammar_proposed_tokens", "grammar_accepted_tokens", "grammar_mask_time_s")
 
 
 def series_from_start(k: int) -> tuple[tuple[str, str], ...]:

@@ -15,9 +15,9 @@ import sys
 import time
 
 import llama_cpp as L
-import numpy as np
 
 from trtssd.backends.ggml_backend import llama_library
+from trtssd.bench.llama_context import RawContext
 from trtssd.models.smollm2 import ensure_smollm2_gguf
 
 SEQS, PROMPT_LEN, STEPS = 4, 200, 60
@@ -26,30 +26,11 @@ CHAIN = [11, 22, 33, 44]
 FLASH = {1: "on", 0: "off", -1: "auto"}
 
 
-class Context:
-    """A llama.cpp context in one layout, decoding (token, position, sequence, wants logits) lists."""
+class Context(RawContext):
+    """A context in one layout: cells in one pool (unified) or a stream per sequence; flash attention."""
 
     def __init__(self, model, vocab: int, unified: bool, flash: int):
-        cp = L.llama_context_default_params()
-        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 4096, 1024, 512, SEQS
-        cp.kv_unified, cp.flash_attn_type = unified, flash
-        cp.n_threads = cp.n_threads_batch = 2
-        self.ctx, self.vocab = L.llama_init_from_model(model, cp), vocab
-        self.batch = L.llama_batch_init(1024, 0, 1)
-
-    def decode(self, entries) -> np.ndarray:
-        b = self.batch
-        b.n_tokens = len(entries)
-        for i, (token, pos, seq, wants) in enumerate(entries):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, wants
-            b.seq_id[i][0] = seq
-        assert L.llama_decode(self.ctx, b) == 0
-        rows = sum(e[3] for e in entries)
-        return np.ctypeslib.as_array(L.llama_get_logits(self.ctx), shape=(rows, self.vocab)).copy()
-
-    def close(self) -> None:
-        L.llama_batch_free(self.batch)
-        L.llama_free(self.ctx)
+        super().__init__(model, vocab, n_ctx=4096, n_seq_max=SEQS, unified=unified, flash=flash)
 
 
 def step_ms(c: Context) -> float:

@@ -35,8 +35,16 @@ def test_tiled_splits_keep_each_row_on_one_prefills_kernels():
     pytest.importorskip("llama_cpp")
     from trtssd.backends.ggml_backend import TiledPromptSplits
 
-    s = TiledPromptSplits()
+    s = TiledPromptSplits(63)  # a file whose matmuls keep rows exact in any forward below 64 tokens
     assert [at for at in range(1, 300) if s.allows(at, 300)] == [64, 128, 192]  # the rest at 256 is 44 < 64
+    # A short prompt: one-row kernels whatever the split, on any block; never found by a long one.
+    assert [at for at in range(1, 60) if s.allows(at, 60)] == [16, 32, 48]
+    assert s.kind(60) != s.kind(64)
+    k_quant = TiledPromptSplits(7)  # the tiled matmul from 8 rows: the rest stays at 8 or more
+    assert [at for at in range(1, 60) if k_quant.allows(at, 60)] == [16, 32, 48]
+    assert [at for at in range(1, 40) if k_quant.allows(at, 40)] == [16, 32]
+    assert [at for at in range(1, 36) if k_quant.allows(at, 36)] == [16]  # 36 - 32 = 4 rows: one-row matmul
+    assert k_quant.kind(7) != k_quant.kind(8) != k_quant.kind(64)
     # At the cut (512) the short rest is a piece of one prefill too.
     assert [at for at in range(1, 530) if s.allows(at, 530)] == [64, 128, 192, 256, 320, 384, 448, 512]
     assert not s.allows(512, 513)  # one prefill decodes a last single token with its neighbour
@@ -45,7 +53,7 @@ def test_tiled_splits_keep_each_row_on_one_prefills_kernels():
     assert PromptSplits().last_split(10, 50, 40) == 39 and PromptSplits().next_split(10, 40) == 11
 
 
-@pytest.mark.parametrize("length", [200, 600])
+@pytest.mark.parametrize("length", [45, 200, 600])
 def test_ggml_prompt_split_where_allowed_equals_one_prefill_bit_for_bit(length):
     """Every allowed split (a cached prefix, or chunked prefill's cut) gives the prompt's last
     logits and the next forward's bit for bit, on the default engine's GGUF."""
@@ -67,6 +75,33 @@ def test_ggml_prompt_split_where_allowed_equals_one_prefill_bit_for_bit(length):
         assert torch.equal(_prefill(ex, i, prompt[at:], at), whole), at
         assert torch.equal(ex.forward([chain_chunk(i, [5, 6, 7], length)])[0], after), at
         ex.release(i)
+    ex.close()
+
+
+def test_short_prompts_sharing_a_template_reuse_it_and_long_prompts_never_do():
+    """Chat prompts shorter than a tile share their template's blocks on llama.cpp (one-row
+    kernels, no alignment): a saved 45-token prompt gives a 50-token one its first 32 tokens,
+    bit for bit; a long prompt's prefix, written on tiled attention, is not found by a short
+    prompt, nor a short one's by a long prompt."""
+    pytest.importorskip("llama_cpp")
+    from trtssd.backends.ggml_backend import GgmlExecutor
+    from trtssd.models.smollm2 import ensure_smollm2_gguf
+
+    template = _prompt(40, 11)
+    short_a, short_b, long_c = template[:35] + [7] * 10, template[:35] + [9] * 15, template + _prompt(60, 12)
+    ex = GgmlExecutor(ensure_smollm2_gguf(), max_seqs=2, max_seq_len=256, threads=2)
+    ex.add_sequence(0)
+    fresh = _prefill(ex, 0, short_b, 0)
+    ex.release(0)
+    cache = PrefixCache(ex, max_kept=4)
+    for seq_id, prompt in ((1, short_a), (2, long_c)):
+        assert cache.start(seq_id, prompt) == 0
+        _prefill(ex, seq_id, prompt, 0)
+        cache.index(seq_id, prompt)
+        cache.finish(seq_id)
+    assert cache.start(3, short_b) == 32  # short_a's blocks; long_c's are of another kind
+    assert torch.equal(_prefill(ex, 3, short_b[32:], 32), fresh)
+    assert cache.start(4, template + _prompt(70, 13)) == 0  # a long prompt never reuses short_a's
     ex.close()
 
 
@@ -240,7 +275,7 @@ def test_clear_forgets_every_kept_prompt_and_releases_what_the_executor_holds(ro
 
 
 def test_a_hash_collision_is_a_miss_never_a_wrong_prefix(monkeypatch):
-    monkeypatch.setattr(prefix_cache_module, "block_hashes", lambda tokens, block: [7] * (len(tokens) // block))
+    monkeypatch.setattr(prefix_cache_module, "block_hashes", lambda tokens, block, kind=0: [7] * (len(tokens) // block))
     rows = _Rows(4)
     cache = PrefixCache(rows, max_kept=2)
     cache.start(0, _prompt(64, 1))

@@ -34,7 +34,9 @@ PREFIX = _ids(1000, 0)
 @pytest.fixture(scope="module")
 def server():
     # One kept prompt: the eviction test's traffic holds three prefixes.
-    with LLM(mode="ssd", max_batch=4, max_seq_len=1200, fanout=(2, 1, 1, 1, 1, 1), prefix_cache_seqs=1) as llm:
+    # Speculating always: the draft then prefills (and caches) every prompt.
+    with LLM(mode="ssd", max_batch=4, max_seq_len=1200, fanout=(2, 1, 1, 1, 1, 1), prefix_cache_seqs=1,
+             plain_under_load=False) as llm:
         with BackgroundServer(OpenAIServer(llm, MODEL)) as bg:
             bg.splits = llm.loop.target.prompt_splits
             yield bg

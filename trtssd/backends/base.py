@@ -33,6 +33,11 @@ class PromptSplits:
 
     block = 16  # tokens per cached block (vLLM's default block size)
 
+    def kind(self, length: int) -> int:
+        """Which kernels one forward's prefill of a ``length``-token prompt runs on: a cached
+        prefix is only reused by a prompt of the kind of the one whose prefill wrote it."""
+        return 0
+
     def allows(self, at: int, length: int) -> bool:
         return 0 < at < length
 

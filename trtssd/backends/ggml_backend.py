@@ -258,7 +258,7 @@ class GgmlExecutor:
         self._batch = L.llama_batch_init(cparams.n_batch, 0, 1)
         self.row_invariant = row_invariant
         self.piece = widest_exact_piece(self.path) if row_invariant else None
-        self.prompt_splits = TiledPromptSplits() if row_invariant else PromptSplits()
+        self.prompt_splits = TiledPromptSplits(self.piece) if row_invariant else PromptSplits()
         self._n_cells = cparams.n_ctx
         # Two lanes nobody attends to: the trash holds freed cells until a compaction, the filler
         # the tokens that pad the cache up to a prompt's aligned cell.
@@ -381,7 +381,7 @@ class GgmlExecutor:
 
     def _lay_prefix(self, seq: _Sequence, saved: SavedPrefix, n_tokens: int) -> None:
         L, lane = self._L, seq.base.id
-        if self.row_invariant:
+        if self.row_invariant and n_tokens >= _TILE:  # a long prompt's prefix: its tiles align
             self._align(0)
         if L.llama_state_seq_set_data(self._ctx, saved.data, saved.size, lane) != saved.size:
             raise CapacityError(f"llama.cpp found no room for a {saved.n_tokens}-token prefix")
@@ -717,17 +717,35 @@ class GgmlExecutor:
 
 
 class TiledPromptSplits(PromptSplits):
-    """Splits of a prompt that keep every row on the kernels one prefill runs it on: a prefill
-    decodes its prompt in pieces cut at multiples of 512 (`_chain_pieces`), a piece of 64 tokens
-    or more on tiled kernels over aligned cells, a shorter one on others. A split on a tile (a
-    multiple of 64) keeps that when what follows it up to the next cut is 64 tokens or more, or
-    when it is a cut itself (not leaving one token, which a prefill decodes with its neighbour).
-    tests/test_ggml_backend.py checks splits bit for bit against one prefill."""
+    """Splits of a prompt that keep every row on the kernels one prefill runs it on.
 
-    block = _TILE
+    A prompt of 64 tokens or more is decoded in pieces cut at multiples of 512 (`_chain_pieces`),
+    a piece of 64 tokens or more on tiled attention over aligned cells, a shorter one on the
+    one-row attention. A split on a tile (a multiple of 64) keeps that when what follows it up to
+    the next cut is 64 tokens or more, or when it is a cut itself (not leaving one token, which a
+    prefill decodes with its neighbour). A shorter prompt runs on the one-row attention, and its
+    matmuls on the tiled K-quant kernel when it is longer than a piece of ``piece`` tokens: it
+    may be split on any block where what follows stays on the same kernels. Each length class is
+    a `kind`, so a prefix written by a long prompt's prefill is never reused by a short one.
+    tests/test_ggml_backend.py and tests/test_prefix_cache.py check splits bit for bit against
+    one prefill."""
+
+    block = 16
+
+    def __init__(self, piece: int):
+        self.piece = piece
+
+    def kind(self, length: int) -> int:
+        if length >= _TILE:
+            return 2  # tiled attention
+        return 1 if length > self.piece else 0  # the tiled matmul, or the one-row kernels
 
     def allows(self, at: int, length: int) -> bool:
-        if not 0 < at < length or at % _TILE:
+        if not 0 < at < length or at % self.block:
+            return False
+        if length < _TILE:
+            return self.kind(length - at) == self.kind(length)
+        if at % _TILE:
             return False
         if at % _PROMPT_CUT == 0:
             return length - at != 1

@@ -19,7 +19,9 @@ Each rank keeps its own, over its own executor: the target for its prefill, the 
   the requests that follow (as llama-server's host-memory prompt cache does).
 - A cached prefix must give a fresh prefill's KV and logits, so it ends only where the executor
   allows a prompt to be split (`PromptSplits.allows`: anywhere on torch; on llama.cpp where the
-  rest stays on the kernels one prefill uses), and only KV written by a prompt's prefill is
+  rest stays on the kernels one prefill uses), it is found only by prompts whose prefill runs on
+  the kernels that wrote it (`PromptSplits.kind`, the root of the block hashes: on llama.cpp a
+  short prompt and a long one share no cached prefix), and only KV written by a prompt's prefill is
   indexed, never generated tokens: they are decoded in other forward shapes, so their KV can
   differ in the last bits from what a prefill of the same tokens writes.
 - A hit is checked token by token against the holder's prompt: a hash collision costs a miss,
@@ -39,9 +41,9 @@ from dataclasses import dataclass
 from trtssd.backends.base import CapacityError, Executor, PromptSplits
 
 
-def block_hashes(tokens: list[int], block: int) -> list[int]:
-    """The chained hash of each whole block of ``tokens``."""
-    hashes, parent = [], 0
+def block_hashes(tokens: list[int], block: int, kind: int = 0) -> list[int]:
+    """The chained hash of each whole block of ``tokens``, from a root of the prompt's ``kind``."""
+    hashes, parent = [], kind
     for start in range(0, len(tokens) - block + 1, block):
         parent = hash((parent, tuple(tokens[start:start + block])))
         hashes.append(parent)
@@ -92,7 +94,7 @@ class PrefixCache:
         """Make a sequence whose prompt is prefilled and committed a holder of its blocks."""
         if not self.enabled:
             return
-        hashes = block_hashes(prompt, self.splits.block)
+        hashes = block_hashes(prompt, self.splits.block, self.splits.kind(len(prompt)))
         if not hashes:
             return  # shorter than a block: nothing to find it by
         self._holders[seq_id] = _Holder(list(prompt), hashes)
@@ -120,7 +122,7 @@ class PrefixCache:
     def _lookup(self, prompt: list[int]) -> tuple[int, int] | None:
         """(holder, tokens) of the longest reusable cached prefix, or None."""
         best = None
-        for i, h in enumerate(block_hashes(prompt, self.splits.block)):
+        for i, h in enumerate(block_hashes(prompt, self.splits.block, self.splits.kind(len(prompt)))):
             n = (i + 1) * self.splits.block
             holders = self._by_hash.get(h)
             if n >= len(prompt) or not holders:

@@ -6,8 +6,9 @@
 #   trtssd-default:        the default mode (ssd under load control)
 #   trtssd-ar:             plain decoding only (--mode ar)
 #   trtssd-ar-batched:     --mode ar --no-row-invariant (llama.cpp's own batching, not bit-exact)
-#   llama-server-defaults: as a user starts it: -m FILE -t 2 (its default slots, context, repacking,
-#                          prompt cache)
+#   llama-server-defaults: as a user starts it: -m FILE -t 2 (its default slots: 4, each the model's
+#                          context; prompt cache on), with --no-repack: this build's repacked kernels
+#                          die on an illegal instruction on this machine's CPU
 #   llama-server-16-slots: as configured before: 16 slots, a 32k context, no repacking, no prompt cache
 # The trtssd servers take up to 16 sequences at once (--max-batch 16). Each server gets 20 s after
 # it answers /health before it is measured. Writes one folder per engine beside itself
@@ -59,7 +60,7 @@ engine() {  # name, engine dir, bench args...
   trtssd "$out" trtssd-default --engine "$dir" -- "$@"
   trtssd "$out" trtssd-ar --engine "$dir" --mode ar -- "$@"
   trtssd "$out" trtssd-ar-batched --engine "$dir" --mode ar --no-row-invariant -- "$@"
-  llama "$out" llama-server-defaults "$gguf" -- "$@"
+  llama "$out" llama-server-defaults "$gguf" --no-repack -- "$@"
   llama "$out" llama-server-16-slots "$gguf" --parallel 16 -c 32768 --no-repack --no-cache-prompt -- "$@"
   .venv/bin/trtssd bench serve --compare "$out"/trtssd-default "$out"/trtssd-ar "$out"/trtssd-ar-batched \
     "$out"/llama-server-defaults "$out"/llama-server-16-slots --out "$out"

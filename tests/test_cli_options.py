@@ -33,6 +33,7 @@ GIVEN = {
     "draft_threads": (["--draft-threads", "3"], 3), "target_cores": (["--target-cores", "0,1"], (0, 1)),
     "draft_cores": (["--draft-cores", "2"], (2,)), "poll_interval_s": (["--poll-interval-s", "0.001"], 0.001),
     "lend_draft_cores": (["--lend-draft-cores", "always"], "always"),
+    "row_invariant": (["--no-row-invariant"], False),
     "target_device": (["--target-device", "cuda:1"], "cuda:1"), "draft_device": (["--draft-device", "cuda"], "cuda"),
     "transport": (["--transport", "cuda_ipc"], "cuda_ipc"),
     "target_backend": (["--target-backend", "trtllm"], "trtllm"),

@@ -218,7 +218,8 @@ def sd_run(engine, cases, target_reference) -> dict:
     """Greedy ssd (the draft as its own MPI job), then greedy sd (another draft job), greedy ar
     and our target logits on the same loaded target executor. target_reference is computed
     first, so that transformers' copy of the model is gone before ours loads."""
-    with LLM(str(engine), mode="ssd", max_batch=4, max_seq_len=256) as llm:
+    # Speculating always: on 2 cores load control would decode this pair plainly.
+    with LLM(str(engine), mode="ssd", max_batch=4, max_seq_len=256, plain_under_load=False) as llm:
         runs = {"ssd": ([o.token_ids for o in llm.generate(GREEDY_PROMPTS, GREEDY)], llm.metrics.summary())}
         llm.loop.draft.close()  # its core goes to the sd run's draft
         runs["sd"] = _greedy_by_loop(llm, engine, Mode.SD)

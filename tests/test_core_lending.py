@@ -57,3 +57,31 @@ def test_no_lending_without_set_threads_or_draft_cores():
     target, draft = _cores()
     assert core_lending(object(), target, 1, draft, 1) is None  # a torch executor does not lend
     assert core_lending(_Executor(), target, 1, None, 1) is None  # one core: nothing to borrow
+
+
+def test_a_timing_run_on_its_own_thread_leaves_the_callers_cores_and_lending_alone():
+    """Calibration's timed plain forwards run on a thread of their own (TargetLoop._plain_forecast):
+    the constructing thread keeps its cores (llama.cpp's OpenMP workers start with their thread's
+    cores), its errors come back, and the next round applies its cores again."""
+    from trtssd.runtime.affinity import on_own_thread
+
+    target, draft = _cores()
+    before = os.sched_getaffinity(0)
+    ex = _Executor()
+    lending = core_lending(ex, target, 1, draft, 1)
+
+    def timing() -> set[int]:
+        lending.for_round(plain=True)
+        lending.for_round(plain=False)
+        return os.sched_getaffinity(0)
+
+    assert on_own_thread(timing) == set(target)
+    assert os.sched_getaffinity(0) == before
+    lending.forget_threads()
+    lending.for_round(plain=False)
+    try:
+        assert ex.threads == [2, 1, 1]  # applied again, whatever id this thread shares
+    finally:
+        os.sched_setaffinity(0, before)
+    with pytest.raises(ZeroDivisionError):
+        on_own_thread(lambda: 1 / 0)

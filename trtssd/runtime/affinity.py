@@ -6,9 +6,11 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,11 @@ class CoreLending:
     split_single_rows: bool = False  # RuntimeConfig.lend_draft_cores "always"
     _applied: tuple[int, bool] | None = None  # (thread, plain) last applied
 
+    def forget_threads(self) -> None:
+        """The thread that applied cores last has ended: the next round applies them again
+        (a new thread may get the ended one's id)."""
+        self._applied = None
+
     def for_round(self, plain: bool) -> None:
         """Take the cores of the coming forwards (on the thread that runs them: an affinity
         belongs to a thread, and llama.cpp's workers inherit it)."""
@@ -82,6 +89,29 @@ class CoreLending:
         pin_thread("target rank", cores)
         self.executor.set_threads(threads, self.split_single_rows)
         self._applied = key
+
+
+def on_own_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` on a thread of its own, its result or its exception here. The cores a timing run
+    pins belong to that thread, and the OpenMP workers llama.cpp starts for its forwards (with
+    that thread's cores, for as long as it lives) end with it: started from the constructing
+    thread, they would stay pinned to the cores of the last timed forward and slow every plain
+    round after it."""
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append((True, fn()))
+        except BaseException as err:  # noqa: BLE001 - handed to the caller
+            result.append((False, err))
+
+    thread = threading.Thread(target=run, name="trtssd-timing")
+    thread.start()
+    thread.join()
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
 
 
 def core_lending(executor: Any, target_cores: Sequence[int] | None, target_threads: int,

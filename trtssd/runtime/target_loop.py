@@ -36,7 +36,7 @@ from trtssd.runtime import protocol as P
 from trtssd.runtime.draft_client import DraftClient
 from trtssd.runtime.metrics import SpeculationMetrics
 from trtssd.runtime.prefix_cache import PrefixCache
-from trtssd.runtime.affinity import CoreLending
+from trtssd.runtime.affinity import CoreLending, on_own_thread
 from trtssd.runtime.round_choice import RoundChooser, speculation_ceiling
 from trtssd.runtime.speculation_length import LengthChooser
 from trtssd.runtime.speedup_model import CostCurve, StepCostModel, calibrated_forwards
@@ -271,11 +271,10 @@ class TargetLoop:
             if self.lending is None:
                 timed = self._target_forwards()
             else:
-                self.lending.for_round(plain=True)
                 try:
-                    timed = calibrated_forwards(self.target, rows, side="target", plain_threads=self.lending.lent[1])
+                    timed = on_own_thread(lambda: self._time_plain_forwards(rows))
                 finally:
-                    self.lending.for_round(plain=False)
+                    self.lending.forget_threads()
         except Exception:  # noqa: BLE001 - an optimisation
             log.exception("timing the target's plain forwards failed")
             return None
@@ -283,6 +282,13 @@ class TargetLoop:
             return None
         curve = CostCurve.from_mapping(timed, "plain forward seconds")
         return lambda batch: batch / curve(batch)
+
+    def _time_plain_forwards(self, rows: int) -> dict[int, float] | None:
+        self.lending.for_round(plain=True)
+        try:
+            return calibrated_forwards(self.target, rows, side="target", plain_threads=self.lending.lent[1])
+        finally:
+            self.lending.for_round(plain=False)
 
     def _target_forwards(self) -> dict[int, float] | None:
         """The target's forward seconds by rows, timed here on the target's cores (once per

@@ -24,7 +24,7 @@ llama_server=$(.venv/bin/python -c "from trtssd.bench.llamacpp import find_llama
 .venv/bin/trtssd build --backend ggml >/dev/null
 .venv/bin/trtssd build qwen2.5-coder-1.5b --backend ggml >/dev/null
 pid=""
-stop() { [[ -n "$pid" ]] && { kill -INT "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; pid=""; }; }
+stop() { if [[ -n "$pid" ]]; then kill -INT "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; pid=""; fi; }
 trap stop EXIT
 load() {  # out, label, bench args...
   local out=$1 label=$2; shift 2

@@ -567,16 +567,14 @@ class TargetLoop:
         steady = not chosen or self.lending is None or t0 >= self._draft_busy_until
         self._take_cores(plain=steady)
         self._release_on_draft()  # the draft waits for no round's request now
-        forced = self._forced(seqs, self.spec.k) if self.spec.mode is not Mode.AR else []
+        forced = self._forced(seqs, self.spec.k) if self.spec.mode is not Mode.AR else [[] for _ in seqs]
         guess = [] if any(forced) else self._spare_row_guess(seqs)
-        proposed = forced if any(forced) else [guess] if guess else []
-        if proposed:  # the grammar's forced tokens or a guess, verified in this round's one forward
+        proposed = [guess] if guess else forced
+        if any(proposed):  # the grammar's forced tokens or a guess, verified in this round's one forward
             result = self.verifier.verify(seqs, _proposal_tensor(proposed, self.spec.k), None, (True,) * len(seqs),
                                           tuple(len(f) for f in proposed))
         else:
             result = self.verifier.plain(seqs)
-        proposed = proposed or [[] for _ in seqs]
-        forced = forced if any(forced) else [[] for _ in seqs]
         total_emitted = 0
         for i, (seq, n, tok) in enumerate(zip(seqs, result.num_accepted, result.bonus)):
             seq.spec_streak = 0

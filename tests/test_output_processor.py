@@ -128,7 +128,7 @@ def test_the_record_counts_the_prompt_tokens_the_prefix_cache_gave(smollm2):
     for cached in (0, 3):  # 0: no prefix caching
         seq = Sequence(0, "r", [1, 2, 3, 4], SamplingParams(max_tokens=2), None, num_cached_tokens=cached)
         seq.output, seq.finish_reason, seq.finish_time = [F, A], "length", seq.arrival + 1.0
-        record = request_output(seq, OutputText(smollm2))
+        record = request_output([seq], [OutputText(smollm2)])
         assert record.num_cached_tokens == cached
         assert record.usage["prompt_tokens_details"] == {"cached_tokens": cached}
     assert Sequence(1, "r", [1], SamplingParams(), None).num_cached_tokens == 0

@@ -6,12 +6,14 @@ dead engine (tiny models)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import threading
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
@@ -206,8 +208,12 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_to
     ("/v1/completions", {**GOOD, "min_p": 1.5}, 400, "min_p", r"'min_p' must be a number in \[0, 1\)"),
     ("/v1/completions", {**GOOD, "seed": -1}, 400, "seed", "'seed' must be an integer in"),
     ("/v1/completions", {**GOOD, "stop": [""]}, 400, "stop", "'stop' must be a non-empty string or a list of them"),
-    ("/v1/completions", {**GOOD, "n": 2}, 400, "n", "'n' must be 1 or null: the feature is not supported"),
-    ("/v1/completions", {**GOOD, "best_of": 3}, 400, "best_of", "'best_of' must be 1 or null: the feature is not"),
+    ("/v1/completions", {**GOOD, "n": 0}, 400, "n", r"'n' must be an integer in \[1, 128\]"),
+    ("/v1/completions", {**GOOD, "n": 129}, 400, "n", r"'n' must be an integer in \[1, 128\]"),
+    ("/v1/completions", {**GOOD, "n": 2.5}, 400, "n", r"'n' must be an integer"),
+    ("/v1/chat/completions", {**CHAT, "n": 5}, 400, "n", r"n \(5\) exceeds max_batch 4"),  # at admission
+    ("/v1/completions", {**GOOD, "best_of": 3}, 400, "best_of", "'best_of' must be 1 or null: best_of .* not supported"),
+    ("/v1/chat/completions", {**CHAT, "best_of": 2}, 400, "best_of", "unknown field 'best_of'"),
     ("/v1/completions", {**GOOD, "logprobs": 21}, 400, "logprobs", r"'logprobs' must be an integer in \[0, 20\]"),
     ("/v1/completions", {**GOOD, "logprobs": True}, 400, "logprobs", "'logprobs' must be an integer"),
     ("/v1/completions", {**GOOD, "echo": "yes"}, 400, "echo", "'echo' must be a boolean"),
@@ -337,6 +343,65 @@ def test_the_openai_client_works_unchanged(served):
         client.completions.create(model=MODEL, prompt="x", top_p=2)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="x")
+
+
+def test_n_choices_through_the_openai_client(served):
+    """n = 3, completions and chat, streamed and not: choices indexed 0..2, each a whole answer
+    (greedy: the one-sample answer three times), usage with the prompt once and every choice's
+    tokens; a seeded sampled request repeats its three choices, its choice 0 the answer without n."""
+    client = openai.OpenAI(base_url=served[1].url + "/v1", api_key=API_KEY, max_retries=0)
+    one = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=6, temperature=0)
+    three = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=6, temperature=0, n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert [c.text for c in three.choices] == [one.choices[0].text] * 3
+    assert (three.usage.prompt_tokens, three.usage.completion_tokens) == (one.usage.prompt_tokens, 18)
+    pieces = list(client.completions.create(model=MODEL, prompt="The sky is", max_tokens=6, temperature=0, n=3,
+                                            stream=True, stream_options={"include_usage": True}))
+    for i in range(3):
+        mine = [p.choices[0] for p in pieces if p.choices and p.choices[0].index == i]
+        assert "".join(c.text for c in mine) == one.choices[0].text
+        assert [c.finish_reason for c in mine if c.finish_reason] == ["length"]
+    assert pieces[-1].usage.completion_tokens == 18 and pieces[-1].usage.prompt_tokens == one.usage.prompt_tokens
+    messages = [{"role": "user", "content": "Name a colour."}]
+    seeded = dict(model=MODEL, messages=messages, max_tokens=8, temperature=1.0, seed=7)
+    # The prompt cached on both ranks first, so that every request below finds the same prefix: the
+    # draft's cached prompt KV may differ in its last bits from its prefill's, and with it the seeded
+    # proposals (and output).
+    client.chat.completions.create(**seeded)
+    chats = [client.chat.completions.create(**seeded, n=3, extra_body={"return_token_ids": True}) for _ in range(2)]
+    alone = client.chat.completions.create(**seeded)
+    texts = [c.message.content for c in chats[0].choices]
+    assert [c.message.content for c in chats[1].choices] == texts and texts[0] == alone.choices[0].message.content
+    assert len(set(texts)) > 1 and [c.index for c in chats[0].choices] == [0, 1, 2]
+    assert chats[0].usage.completion_tokens == sum(len(c.token_ids) for c in chats[0].choices)
+    chunks = list(client.chat.completions.create(**seeded, n=3, stream=True))
+    for i, text in enumerate(texts):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant"  # each choice's role comes first
+        assert "".join(c.delta.content or "" for c in mine) == text
+        assert [c.finish_reason for c in mine if c.finish_reason] == [chats[0].choices[i].finish_reason]
+
+
+def test_n_choices_each_follow_the_response_format(served):
+    """Structured output with n: each sample runs its own grammar state, so every choice is a
+    document of the schema (sampled choices differ), streamed or not."""
+    client = openai.OpenAI(base_url=served[1].url + "/v1", api_key=API_KEY, max_retries=0)
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]},
+                                               "count": {"type": "integer"}},
+              "required": ["colour", "count"], "additionalProperties": False}
+    body = dict(model=MODEL, messages=[{"role": "user", "content": "A colour and a number, as JSON."}],
+                max_tokens=40, temperature=1.0, seed=3, n=4,
+                response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}})
+    client.chat.completions.create(**{**body, "n": 1})  # the prompt cached on both ranks (as above)
+    done = client.chat.completions.create(**body)
+    documents = [json.loads(c.message.content) for c in done.choices]
+    for document in documents:
+        jsonschema.validate(document, schema)
+    assert len({json.dumps(d, sort_keys=True) for d in documents}) > 1
+    chunks = list(client.chat.completions.create(**body, stream=True))
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(4)]
+    assert [json.loads(t) for t in streamed] == documents  # the seed repeats them
 
 
 def _offline_logprobs(prompt: list[int], output: list[int]) -> torch.Tensor:

@@ -553,6 +553,34 @@ def test_bad_inputs_get_errors_and_the_server_stays_ready(server):
 
 
 @server_test
+def test_num_return_sequences_gives_each_sample_its_responses(server, reference):
+    """TensorRT-LLM's num_return_sequences: every response names its sample in sequence_index;
+    streamed, each sample's rounds then its closing response (the last one FINAL); without
+    streaming one whole response per sample. Greedy samples each equal the single request."""
+    ref = reference.outputs[PROMPTS[0]]
+    greedy = dict(text_input=PROMPTS[0], temperature=0.0, max_tokens=GREEDY_TOKENS, num_return_sequences=3)
+    responses = grpc_stream(server, stream=True, **greedy)
+    finals = [r.get_response().parameters["triton_final_response"].bool_param for r in responses]
+    assert finals == [False] * (len(responses) - 1) + [True]  # one FINAL response: the request's last
+    by_sample = {}
+    for r in responses:
+        by_sample.setdefault(int(r.as_numpy("sequence_index")[0]), []).append(r)
+    assert sorted(by_sample) == [0, 1, 2]
+    for mine in by_sample.values():
+        assert _joined(mine) == (ref.text, ref.token_ids)
+        closing = [r for r in mine if r.as_numpy("finish_reason")[0]]
+        assert len(closing) == 1 and closing[0] is mine[-1]  # each sample's stream ends with its own closing
+        assert mine[-1].as_numpy("num_output_tokens")[0] == len(ref.token_ids)
+    whole = grpc_stream(server, exclude_input_in_output=True, **greedy)
+    assert sorted(int(r.as_numpy("sequence_index")[0]) for r in whole) == [0, 1, 2]
+    assert all(_joined([r]) == (ref.text, ref.token_ids) for r in whole)
+    [error] = grpc_stream(server, text_input="hi", num_return_sequences=5)  # above the model's max_batch 4
+    assert "'num_return_sequences'" in error.message() and "exceeds max_batch 4" in error.message()
+    [error] = grpc_stream(server, text_input="hi", num_return_sequences=0)
+    assert "'num_return_sequences'" in error.message()
+
+
+@server_test
 def test_a_cancelled_stream_frees_its_rows(server):
     aborted = _metric(server, "vllm:request_success_total", finished_reason="abort")
     # gRPC: the client cancels its stream after the first response.

@@ -22,7 +22,7 @@ from trtssd.runtime.world import end_world_job
 from trtssd.runtime.metrics import SpeculationMetrics
 from trtssd.runtime.output_processor import OutputText, Prompt, RequestOutput, request_output
 from trtssd.runtime.target_loop import TargetLoop, Verifier
-from trtssd.sampling import SamplingParams
+from trtssd.sampling import FieldError, SamplingParams
 from trtssd.structured.grammar import Grammars
 from trtssd.trtllm.verifier import trtllm_verifier
 
@@ -138,23 +138,26 @@ class LLM:
 
     def generate(self, prompts: Sequence[Prompt] | Prompt,
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generate for a batch of prompts (list in, list out, same order)."""
+        """Generate for a batch of prompts (list in, list out, same order): one `RequestOutput`
+        per prompt, its ``outputs`` the ``SamplingParams.n`` samples (sample 0's in its own fields)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = _broadcast_params(params, len(prompts))
         loop = self._own_loop()
         # All or nothing: one bad prompt queues none.
-        seqs = [loop.new_sequence(self._encode(p), sp) for p, sp in zip(prompts, params_list)]
+        requests = [loop.new_sequences(self._encode(p), sp) for p, sp in zip(prompts, params_list)]
         texts = {}
-        for seq in seqs:
-            texts[seq.seq_id] = OutputText(self.tokenizer, seq.params.stop)
-            loop.add(seq)
+        for samples in requests:
+            for seq in samples:
+                texts[seq.seq_id] = OutputText(self.tokenizer, seq.params.stop, seq.sample_index)
+                loop.add(seq)
         while loop.has_unfinished():
             for out in loop.step():
                 self._text(out, texts[out.seq_id])
-        for seq in seqs:  # one a stop string ended (LLM._text) never reached the loop's finished ones
-            loop.finished.pop(seq.seq_id, None)
-        return [request_output(s, texts[s.seq_id], p) for p, s in zip(prompts, seqs)]
+        for seq in texts:  # one a stop string ended (LLM._text) never reached the loop's finished ones
+            loop.finished.pop(seq, None)
+        return [request_output(samples, [texts[s.seq_id] for s in samples], p)
+                for p, samples in zip(prompts, requests)]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, per_token: bool = False) -> Iterator[str]:
         """Yield text deltas as tokens are committed: by default one delta per round (a
@@ -163,7 +166,10 @@ class LLM:
         to the final text: text that could still turn out to start a stop string is held back
         until it is known not to, so nothing yielded is ever taken back."""
         loop = self._own_loop()
-        seq = loop.new_sequence(self._encode(prompt), params or SamplingParams())
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise FieldError("n", f"LLM.stream streams one sample; n = {params.n} needs LLM.generate or the server")
+        seq = loop.new_sequence(self._encode(prompt), params)
         text = OutputText(self.tokenizer, seq.params.stop)
         loop.add(seq)
         while seq.finish_reason is None:

@@ -8,6 +8,8 @@ global RNG), so a seeded request draws the same numbers whatever else is in its 
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import Sequence, Union
@@ -24,6 +26,9 @@ Generators = Union[None, torch.Generator, Sequence[Union[torch.Generator, None]]
 
 _MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's and vLLM's limit)
+# Most samples one request may ask for (SamplingParams.n). They run together, so a server also
+# refuses n above its running batch (TargetLoop.check_request).
+MAX_N = 128
 # A temperature this small is greedy in all but name, and far smaller ones divide logits past
 # float32's range (5e-324 rounds to 0): NaN, not sampling. 0 asks for greedy.
 MIN_TEMPERATURE = 1e-6
@@ -75,6 +80,9 @@ class SamplingParams:
     # The language the output must belong to (a JSON schema, any JSON object, a regex, a choice, a
     # grammar: trtssd.structured); every distribution is masked by it first. None = free text.
     constraint: Constraint | None = None
+    # Independent samples of the prompt (1-MAX_N), sharing its one prefill: sample j draws from
+    # its own RNG, seeded `sample_seed(seed, j)` (sample 0 is the request without n).
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience; stored as tuples so the object stays hashable.
@@ -109,6 +117,8 @@ class SamplingParams:
                 _fail(name, f"None or an int in [0, {MAX_LOGPROBS}]", value)
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             _fail("constraint", "None or a trtssd.Constraint", self.constraint)
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            _fail("n", f"an int in [1, {MAX_N}]", self.n)
         if self.constraint is not None and self.ignore_eos:
             # A constrained output ends where its grammar does (the grammar then allows only EOS).
             raise FieldError("ignore_eos", "SamplingParams.ignore_eos cannot be combined with a constraint: "
@@ -117,6 +127,24 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """Sample ``index`` of an ``n``-sample request as a request of its own: n = 1 and the
+        sample's seed (`sample_seed`), every other field as given."""
+        if not _is_int(index) or not 0 <= index < self.n:
+            raise ValueError(f"sample index must be an int in [0, {self.n}); got {index!r}")
+        seed = None if self.seed is None else sample_seed(self.seed, index)
+        return dataclasses.replace(self, n=1, seed=seed)
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """Sample ``index``'s seed in a request seeded ``seed``: the seed itself for sample 0 (so
+    n = 1 draws what it always drew), else a 63-bit hash of (seed, index). A hash, never an
+    offset: seed + 1 would be sample 0 of the request seeded seed + 1."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(repr((seed, "sample", index)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 @dataclass(frozen=True)

@@ -148,8 +148,11 @@ class DraftWorker:
     # --- sequences ---------------------------------------------------------------------------
 
     def prefill(self, msg: Prefill) -> None:
-        """A new sequence's prompt, after its cached prefix; or its next piece (``msg.upto``)."""
+        """A new sequence's prompt, after its cached prefix; or its next piece (``msg.upto``);
+        or, for a sample forked from another (``msg.fork_of``), that sample's prompt KV."""
         sid, prompt = msg.seq_id, list(msg.prompt)
+        if msg.fork_of is not None and sid not in self._prefilled and self._take_prompt(msg):
+            return
         if sid not in self._prefilled:
             cached = self.prefix_cache.start(sid, prompt)
             self._prefilled[sid] = (cached, cached)
@@ -167,6 +170,21 @@ class DraftWorker:
         self.seqs[sid] = DraftSequence(sid, msg.params, prompt, cached_tokens=cached, grammar=self._grammar(msg.params))
         if self.spec.mode is Mode.SSD:
             self._first[sid] = logits[-1]
+
+    def _take_prompt(self, msg: Prefill) -> bool:
+        """A sample of an n-sample request: the whole prompt's KV from the sample that holds it
+        (`Executor.share_prefix`), so the draft prefills a request's prompt once, and its first-token
+        guesses too. False when the draft no longer holds that sample's prompt (it is prefilled)."""
+        source, prompt = self.seqs.get(msg.fork_of), list(msg.prompt)
+        if source is None or source.history[:len(prompt)] != prompt:
+            return False
+        self.prefix_cache.start(msg.seq_id, prompt, reuse=False)
+        self.executor.share_prefix(msg.fork_of, msg.seq_id, len(prompt))
+        self.seqs[msg.seq_id] = DraftSequence(msg.seq_id, msg.params, prompt, cached_tokens=len(prompt),
+                                              grammar=self._grammar(msg.params))
+        if msg.fork_of in self._first:
+            self._first[msg.seq_id] = self._first[msg.fork_of]
+        return True
 
     def _grammar(self, params: SamplingParams) -> GrammarState | None:
         if params.constraint is None or self.grammars is None:

@@ -61,6 +61,9 @@ class Prefill:
     prompt: tuple[int, ...]
     params: SamplingParams
     upto: int | None = None  # prefill up to this prompt token (None: all of it)
+    # Another sample of the same request (SamplingParams.n) whose prompt the draft holds whole:
+    # its KV is shared (Executor.share_prefix) instead of prefilled; prefilled if no longer held.
+    fork_of: int | None = None
 
 
 @dataclass(frozen=True)

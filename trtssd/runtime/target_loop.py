@@ -6,7 +6,9 @@ a sequence through `stop` when a stop string completes.
 
 Each step admits waiting requests and prefills their prompts (the draft prefills them in parallel;
 a prompt's cached prefix is not prefilled again, trtssd/runtime/prefix_cache.py; a long prompt is
-prefilled over several steps within a token budget, chunked prefill), then runs one round for
+prefilled over several steps within a token budget, chunked prefill; a request's
+SamplingParams.n samples are n sequences admitted together, sample 0 prefilling the prompt and the
+others taking its KV, `_fork`, on the draft too), then runs one round for
 every running sequence: in `ar` mode one target step; in `sd`/`ssd` mode it sends the
 last outcomes to the draft, receives the speculation, verifies it in one K+1-token target pass
 and commits the accepted tokens. The target's own state (committed KV plus the pending bonus
@@ -79,6 +81,10 @@ class Sequence:
     draft_prefilled: int = 0  # prompt tokens sent to the draft's prefill (all of them: it can speculate)
     spec_streak: int = 0  # speculative rounds in a row (since admission or the last plain round)
     grammar: GrammarState | None = None  # a constrained request's grammar, after every emitted token
+    sample_index: int = 0  # which of its request's SamplingParams.n samples this is
+    # The sample whose prompt KV this one takes once that prompt is prefilled (samples 1..n-1 of
+    # a request; None: this one prefills its prompt itself).
+    fork_of: Sequence | None = None
 
 
 @dataclass(frozen=True)
@@ -314,13 +320,31 @@ class TargetLoop:
     # --- requests ----------------------------------------------------------------------------
 
     def new_sequence(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
-        """The record of a request, checked (`FieldError`) and stamped with its arrival; safe
-        to call beside a running loop (it reads only fixed sizes). `add` queues it."""
+        """The record of a one-sample request (n = 1); `new_sequences` for any n."""
+        if params.n != 1:
+            raise ValueError(f"new_sequence makes one sample; use new_sequences for n = {params.n}")
+        return self.new_sequences(prompt, params, request_id)[0]
+
+    def new_sequences(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> list[Sequence]:
+        """The records of a request's ``params.n`` samples, checked (`FieldError`) and stamped
+        with its arrival; safe to call beside a running loop (it reads only fixed sizes). `add`
+        queues them (together: they are admitted together). Sample j runs with
+        ``params.for_sample(j)``; samples 1..n-1 take sample 0's prompt KV once it is prefilled
+        (`_fork`), so the prompt is prefilled once."""
         self.check_request(prompt, params)
+        first = self._sequence(prompt, params.for_sample(0), request_id, 0, None)
+        rest = [self._sequence(prompt, params.for_sample(j), first.request_id, j, first) for j in range(1, params.n)]
+        for seq in rest:
+            seq.arrival = first.arrival
+        return [first, *rest]
+
+    def _sequence(self, prompt: list[int], params: SamplingParams, request_id: str | None, index: int,
+                  fork_of: Sequence | None) -> Sequence:
         seq_id = next(self._ids)
-        seq = Sequence(seq_id, request_id or f"req-{seq_id}", list(prompt), params, make_generator(params))
+        seq = Sequence(seq_id, request_id or f"req-{seq_id}", list(prompt), params, make_generator(params),
+                       sample_index=index, fork_of=fork_of)
         if params.constraint is not None:
-            seq.grammar = self.grammars.start(params.constraint)
+            seq.grammar = self.grammars.start(params.constraint)  # each sample its own grammar state
         return seq
 
     def add(self, seq: Sequence) -> None:
@@ -339,6 +363,9 @@ class TargetLoop:
         bad = [t for t in prompt if not 0 <= t < self.target.vocab_size]
         if bad:
             raise FieldError("prompt", f"prompt token ids must be in [0, {self.target.vocab_size}); got {bad[:5]}")
+        if params.n > self.max_batch:
+            raise FieldError("n", f"n ({params.n}) exceeds max_batch {self.max_batch}: a request's samples run "
+                                  "together in the running batch; lower n or raise max_batch")
         need = len(prompt) + params.max_tokens
         if need > self.max_model_len:
             # The prompt is at fault when it leaves no room for a single output token.
@@ -392,14 +419,25 @@ class TargetLoop:
         return outputs
 
     def _admit(self) -> None:
-        """Waiting requests join while the batch has room, each with its cached prompt prefix."""
+        """Waiting requests join while the batch has room, each with its cached prompt prefix; a
+        request's samples join together (samples 1..n-1 get their rows now, their prompt's KV
+        from sample 0 once it is prefilled)."""
         admitted = False
-        while self.waiting and len(self.running) + len(self.prefilling) < self.max_batch:
-            seq = self.waiting.popleft()
+        while self.waiting:
+            seq = self.waiting[0]
+            group = [seq, *(s for s in self.waiting if s.fork_of is seq)]
+            if len(self.running) + len(self.prefilling) + len(group) > self.max_batch:
+                break
+            for s in group:
+                self.waiting.remove(s)
+            if seq.fork_of is not None and not any(s is seq.fork_of for s in self.prefilling):
+                seq.fork_of = None  # its sample 0 is past its prefill (or gone): this one prefills itself
             # Prompt logprobs need every prompt row's logits: such a request prefills it all.
-            seq.prefilled = seq.num_cached_tokens = self.prefix_cache.start(
-                seq.seq_id, seq.prompt, reuse=seq.params.prompt_logprobs is None)
-            self.prefilling.append(seq)
+            reuse = seq.params.prompt_logprobs is None and seq.fork_of is None
+            seq.prefilled = seq.num_cached_tokens = self.prefix_cache.start(seq.seq_id, seq.prompt, reuse=reuse)
+            for fork in group[1:]:
+                self.prefix_cache.start(fork.seq_id, fork.prompt, reuse=False)
+            self.prefilling += group
             admitted = True
         if admitted:
             self._release_on_draft()  # before the draft must hold the new sequences
@@ -412,12 +450,14 @@ class TargetLoop:
         # The draft prefills beside the target: a sequence it was given its first piece of, or,
         # when its first piece is now, as load control expects speculation (_draft_prefills_now).
         to_draft = self.speculating and self._draft_prefills_now(len(self.running) + len(self.prefilling))
-        sends = [s.on_draft or (to_draft and s.prefilled == s.num_cached_tokens and s.params.max_tokens > 0)
-                 for s, _ in pieces]
+        sends = [s.draft_prefilled < end and (s.on_draft or (to_draft and s.prefilled == s.num_cached_tokens
+                                                               and s.params.max_tokens > 0))
+                 for s, end in pieces]
         self._take_cores(plain=not any(sends))
         for (seq, end), send in zip(pieces, sends):
             if send:
                 self._prefill_on_draft(seq, end)
+                self._forks_on_draft(seq)
         t0 = time.perf_counter()
         # Per piece, its logits: the last row only, or every row for prompt logprobs.
         rows = [r for group in self._prefill_groups(pieces) for r in self.target.forward(group)]
@@ -431,15 +471,18 @@ class TargetLoop:
             seq.prefilled = end
             if end == len(seq.prompt):
                 done.append((seq, r))
+        generating = []
         for seq, r in done:
             self.prefilling.remove(seq)
             self.prefix_cache.index(seq.seq_id, seq.prompt)
             if seq.params.prompt_logprobs is not None:
                 seq.prompt_logprobs = prompt_logprobs(r, seq.prompt, seq.params)
             self.running.append(seq)  # a prompt-only one leaves again at this step's _retire
-            if seq.params.max_tokens == 0:
-                self._finish_prompt_only(seq, outputs)
-        generating = [(seq, r[-1]) for seq, r in done if seq.params.max_tokens > 0]
+            for sample in (seq, *self._fork(seq)):  # every sample's first token from the prompt's last logits
+                if seq.params.max_tokens == 0:
+                    self._finish_prompt_only(sample, outputs)
+                else:
+                    generating.append((sample, r[-1]))
         if generating:
             self._first_tokens([s for s, _ in generating], torch.stack([r for _, r in generating]), outputs)
 
@@ -451,6 +494,8 @@ class TargetLoop:
         left = self.prefill_chunk or float("inf")
         pieces: list[tuple[Sequence, int]] = []
         for seq in self.prefilling:
+            if seq.fork_of is not None:
+                continue  # its prompt's KV comes from its sample 0 (`_fork`)
             end = self._piece_end(seq, left, first=not pieces)
             if end is None:
                 break
@@ -474,6 +519,36 @@ class TargetLoop:
         if end is None and first:
             end = splits.next_split(start, length)
         return end
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """Samples 1..n-1 of the request whose sample 0 (``seq``) has just prefilled its prompt:
+        each takes that prompt's KV (`Executor.share_prefix`: llama.cpp shares its cells, torch
+        copies them) instead of prefilling it, and runs from now on (its first token is drawn
+        from the same last logits). The draft forks them too (`_forks_on_draft`). Returns them."""
+        forks = [s for s in self.prefilling if s.fork_of is seq]
+        for fork in forks:
+            self.prefilling.remove(fork)
+            self.target.share_prefix(seq.seq_id, fork.seq_id, len(seq.prompt))
+            fork.prefilled = fork.num_cached_tokens = len(fork.prompt)
+            fork.prompt_logprobs = seq.prompt_logprobs
+            self.running.append(fork)
+        return forks
+
+    def _forks_on_draft(self, seq: Sequence) -> None:
+        """Once the draft has been sent the whole prompt of a request's sample 0, its other samples
+        follow right behind it: the draft forks them before it is idle (so its first-token guesses
+        are made for them too). Samples the draft learns of later catch up in `_draft_catches_up`."""
+        for fork in self.prefilling:
+            if fork.fork_of is seq and not fork.on_draft and fork.params.max_tokens > 0 and self._draft_forks(fork):
+                self._prefill_on_draft(fork, len(fork.prompt))
+
+    def _draft_forks(self, seq: Sequence) -> bool:
+        """Whether the draft can take this sample's prompt KV from its sample 0: it was sent the
+        whole prompt, and has not been told to release it."""
+        source = seq.fork_of
+        return (source is not None and self.speculating and source.on_draft
+                and source.draft_prefilled == len(source.prompt)
+                and (source.finish_reason is None or source.seq_id in self._released))
 
     def _first_tokens(self, seqs: list[Sequence], logits: torch.Tensor, outputs: list[StepOutput]) -> None:
         """Sample and emit each new sequence's first token from its prompt's last logits [B, V]."""
@@ -500,7 +575,8 @@ class TargetLoop:
         return not (self.spec.plain_under_load and self.chooser.expects_plain(batch))
 
     def _prefill_on_draft(self, seq: Sequence, upto: int) -> None:
-        seq.on_draft = self.draft.send(P.Prefill(seq.seq_id, tuple(seq.prompt), seq.params, upto))
+        fork_of = seq.fork_of.seq_id if self._draft_forks(seq) else None
+        seq.on_draft = self.draft.send(P.Prefill(seq.seq_id, tuple(seq.prompt), seq.params, upto, fork_of))
         seq.draft_prefilled = upto
 
     def _draft_catches_up(self) -> bool:
@@ -513,8 +589,11 @@ class TargetLoop:
         left = float("inf") if self._seeded_sampling() or not self.prefill_chunk else self.prefill_chunk
         sent = 0
         for seq in behind:
+            if self._draft_forks(seq):  # its sample 0's prompt is on the draft (sent before it in this loop)
+                self._prefill_on_draft(seq, len(seq.prompt))
+                continue
             if left <= 0:
-                break
+                continue
             end = int(min(len(seq.prompt), seq.draft_prefilled + left))
             left -= end - seq.draft_prefilled
             sent += end - seq.draft_prefilled
@@ -657,7 +736,9 @@ class TargetLoop:
             total_emitted += emitted
             seq.metrics.add_times(**times)
             seq.metrics.tree_branches += reply.tree_branches
-            if reply.cached_tokens:  # the draft's lookup, counted beside its hits for the draft's hit rate
+            # The draft's lookup, counted beside its hits for the draft's hit rate (a request's
+            # prompt once: samples 1..n-1 took it from sample 0, not from a lookup).
+            if reply.cached_tokens and seq.fork_of is None:
                 seq.metrics.draft_cached_tokens = reply.cached_tokens[i]
                 seq.metrics.draft_prompt_tokens = len(seq.prompt)
             seq.spec_streak += 1
@@ -782,15 +863,27 @@ class TargetLoop:
         if seq is not None:
             self.waiting.remove(seq)  # never admitted: no rows anywhere
             seq.finish_time = time.perf_counter()
+            self._hand_down(seq)
         else:
             seq = next((s for s in self.running + self.prefilling if s.seq_id == seq_id), None)
             if seq is None:
                 return None
-            (self.running if seq in self.running else self.prefilling).remove(seq)
+            if seq in self.prefilling:
+                self.prefilling.remove(seq)
+                self._hand_down(seq)
+            else:
+                self.running.remove(seq)
             self._free(seq)
         seq.finish_reason = reason
         self._release_if_idle()
         return seq
+
+    def _hand_down(self, seq: Sequence) -> None:
+        """A sample that ended before its prompt was prefilled: the samples that were to take its
+        prompt's KV take the next one's, which prefills the prompt itself."""
+        forks = [s for s in (*self.waiting, *self.prefilling) if s.fork_of is seq]
+        for fork in forks:
+            fork.fork_of = forks[0] if fork is not forks[0] else None
 
 
 def _proposal_tensor(rows: list[list[int]], k: int) -> torch.Tensor:

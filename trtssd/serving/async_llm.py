@@ -39,20 +39,22 @@ class Overloaded(RuntimeError):
 
 
 class RequestStream:
-    """The client side of one request: ``async for delta in stream`` yields `Delta`s; once the
-    iteration ends, ``stream.final`` is the `RequestOutput`. Raises `LoopStopped` if the loop
-    stops first. ``abort()`` ends the request early (its final record says "abort").
+    """The client side of one request: ``async for delta in stream`` yields `Delta`s (of every
+    sample, each with its ``index``, as the loop emits them); once the iteration ends,
+    ``stream.final`` is the `RequestOutput`. Raises `LoopStopped` if the loop stops first.
+    ``abort()`` ends the request, all its samples, early (its final record says "abort").
 
     Its output processing runs here, on the event loop that made it: the loop thread hands it
-    each step's `StepOutput` and, at the end, the finished `Sequence`."""
+    each step's `StepOutput` and, at the end, each finished `Sequence` (one per sample)."""
 
-    def __init__(self, seq: Sequence, server: "AsyncLLM", loop: asyncio.AbstractEventLoop):
-        self.request_id = seq.request_id
+    def __init__(self, samples: list[Sequence], server: "AsyncLLM", loop: asyncio.AbstractEventLoop):
+        self.request_id = samples[0].request_id
         self.final: RequestOutput | None = None
-        self._seq_id = seq.seq_id
+        self._seq_ids = [s.seq_id for s in samples]
         self._server = server
         self._loop = loop
-        self._text = OutputText(server.tokenizer, seq.params.stop)
+        self._texts = {s.seq_id: OutputText(server.tokenizer, s.params.stop, s.sample_index) for s in samples}
+        self._finished: dict[int, Sequence] = {}  # samples the loop has finished, by seq_id
         self._items: asyncio.Queue = asyncio.Queue()
 
     def __aiter__(self) -> "RequestStream":
@@ -81,7 +83,8 @@ class RequestStream:
 
     def abort(self) -> None:
         if self.final is None:
-            self._server._command(self._server.loop.abort, self._seq_id)
+            for seq_id in self._seq_ids:
+                self._server._command(self._server.loop.abort, seq_id)
 
     # --- from the loop thread ------------------------------------------------------------------
 
@@ -92,15 +95,19 @@ class RequestStream:
     # --- on the event loop: the output processor ------------------------------------------------
 
     def _on_output(self, out: StepOutput) -> None:
-        delta = self._text.add(out)
+        delta = self._texts[out.seq_id].add(out)
         if delta is None:
             return  # past a stop string: the loop is being told
         if delta.stop_at is not None:  # a stop string ended the output: the loop ends the sequence there
-            self._server._command(self._server.loop.stop, self._seq_id, delta.stop_at)
+            self._server._command(self._server.loop.stop, out.seq_id, delta.stop_at)
         self._items.put_nowait(delta)
 
     def _on_finished(self, seq: Sequence) -> None:
-        record = request_output(seq, self._text)
+        """One sample finished; the request's record once every sample has."""
+        self._finished[seq.seq_id] = seq
+        if len(self._finished) < len(self._seq_ids):
+            return
+        record = request_output([self._finished[i] for i in self._seq_ids], [self._texts[i] for i in self._seq_ids])
         if self._server.on_finished is not None:
             try:
                 self._server.on_finished(record)
@@ -160,22 +167,28 @@ class AsyncLLM:
         return max(0, len(self._streams) - len(self.loop.running))
 
     def submit(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
-        """Queue a request; call from a running asyncio event loop. Raises `FieldError` (a
-        ValueError naming the field) for a request the loop cannot serve, `Overloaded` when the
-        queue is full, `LoopStopped`."""
-        seq = self.loop.new_sequence(prompt, params, request_id)
-        stream = RequestStream(seq, self, asyncio.get_running_loop())
+        """Queue a request (its ``params.n`` samples together); call from a running asyncio event
+        loop. Raises `FieldError` (a ValueError naming the field) for a request the loop cannot
+        serve, `Overloaded` when the queue is full, `LoopStopped`. Each sample counts as a
+        sequence in flight toward the limit."""
+        samples = self.loop.new_sequences(prompt, params, request_id)
+        stream = RequestStream(samples, self, asyncio.get_running_loop())
         with self._lock:
             if not self.alive:
                 raise LoopStopped(self.failure or "the serving loop is not running")
             limit = self.loop.max_batch + self.max_waiting
-            if len(self._streams) >= limit:
-                raise Overloaded(f"server overloaded: {len(self._streams)} requests in flight, the limit is {limit} "
+            if len(self._streams) + len(samples) > limit:
+                raise Overloaded(f"server overloaded: {len(self._streams)} sequences in flight, the limit is {limit} "
                                  f"(max_batch {self.loop.max_batch} running + max_waiting {self.max_waiting} "
-                                 "queued); retry later")
-            self._streams[seq.seq_id] = stream
-            self._command(self.loop.add, seq)
+                                 f"queued) and this request has {len(samples)}; retry later")
+            for seq in samples:
+                self._streams[seq.seq_id] = stream
+            self._command(self._add, samples)  # one command: the loop admits a request's samples together
         return stream
+
+    def _add(self, samples: list[Sequence]) -> None:
+        for seq in samples:
+            self.loop.add(seq)
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the loop thread; requests still pending get `LoopStopped`."""
@@ -232,7 +245,7 @@ class AsyncLLM:
         """Refuse new requests, then fail every request not finished."""
         with self._lock:
             self.failure = reason
-            pending = list(self._streams.values())
+            pending = list({id(stream): stream for stream in self._streams.values()}.values())  # one per request
             self._streams.clear()
         for stream in pending:
             stream._call(stream._items.put_nowait, LoopStopped(reason))

@@ -3,7 +3,7 @@
 `CompletionRequest` and `ChatCompletionRequest` are pydantic models with one field per OpenAI
 parameter we take: FastAPI checks each body against them, and /openapi.json documents every
 field with its allowed values. A field is supported, or accepted only at the value that turns
-it off (``n`` = 1, penalties 0, ...: features we do not have are refused, never
+it off (``best_of`` = 1, penalties 0, ...: features we do not have are refused, never
 ignored); any other field is refused. JSON null means "not given", as OpenAI clients send it.
 What a field's type cannot say (one field that needs another, the model's tokenizer) is checked
 in `to_generation_request`, and the prompt + max_tokens length by the engine at submit.
@@ -19,7 +19,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 from pydantic import BaseModel, Field, model_validator
 
 from trtssd.models.tokenizer import chat_prompt_ids, encode_text
-from trtssd.sampling import MAX_LOGPROBS, MIN_TEMPERATURE, SamplingParams
+from trtssd.sampling import MAX_LOGPROBS, MAX_N, MIN_TEMPERATURE, SamplingParams
 from trtssd.serving.openai_body import ApiError, Body, ErrorInfo, ErrorResponse  # noqa: F401 - re-exported
 from trtssd.serving.openai_structured import Structured, StructuredFields, ToolFields, ToolParsing
 from trtssd.structured.tools import template_tool_calls
@@ -67,6 +67,8 @@ class GenerationRequest:
             return self.max_tokens_param
         if field == "constraint" and self.constraint_param is not None:
             return self.constraint_param
+        if field == "n":  # n above the server's running batch
+            return field
         return "messages" if self.endpoint is Endpoint.CHAT else "prompt"
 
 
@@ -144,7 +146,9 @@ class _Common(StructuredFields):
     stream_options: Optional[StreamOptions] = Field(None, description="an object {include_usage}, with stream: true")
     user: Optional[str] = Field(None, description="a string: an end-user id for the caller's own logs (unused)")
     return_token_ids: Optional[bool] = Field(False, description="a boolean: token ids in the answer (vLLM's)")
-    n: Optional[Literal[1]] = Field(None, description=f"1 {OFF}")
+    n: Optional[int] = Field(
+        None, ge=1, le=MAX_N, description=f"an integer in [1, {MAX_N}], and at most the server's max_batch: how many "
+        "samples (choices) of the prompt to generate, the prompt prefilled once")
     frequency_penalty: Optional[float] = Field(None, ge=0, le=0, description=f"0 {OFF}")
     presence_penalty: Optional[float] = Field(None, ge=0, le=0, description=f"0 {OFF}")
     repetition_penalty: Optional[float] = Field(None, ge=1, le=1, description=f"1 {OFF}")
@@ -171,7 +175,8 @@ class _Common(StructuredFields):
                 top_k=max(self.top_k, 0), min_p=self.min_p, seed=self.seed,  # top_k -1 is vLLM's "off", 0 ours
                 stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
                 stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-                logprobs=logprobs, prompt_logprobs=max(scored) if scored else None, constraint=structured.constraint)
+                logprobs=logprobs, prompt_logprobs=max(scored) if scored else None, constraint=structured.constraint,
+                n=self.n or 1)
         except ValueError as err:  # a check of SamplingParams' that the fields' types do not make (yet)
             raise ApiError(400, str(err), getattr(err, "field", None)) from None
         include_usage = self.stream_options is not None and self.stream_options.include_usage
@@ -203,7 +208,9 @@ class CompletionRequest(_Common):
         "(with echo: the prompt's tokens too, the first one's logprob null)")
     echo: Optional[bool] = Field(False, description="a boolean: the text (and logprobs) start with the prompt's")
     suffix: Optional[Literal[""]] = Field(None, description=f'"" {OFF}')
-    best_of: Optional[Literal[1]] = Field(None, description=f"1 {OFF}")
+    best_of: Optional[Literal[1]] = Field(
+        None, description="1 or null: best_of (several samples, the best returned) is not supported, as OpenAI's "
+        "API no longer has it; 'n' returns several samples")
 
     def prompt_ids(self, model: ModelInfo, structured: Structured) -> list[int]:
         prompt = self._one_prompt()

@@ -142,12 +142,13 @@ class OpenAIServer:
         and its rows freed before the next round."""
         try:
             if responder.chat:
-                yield sse(responder.chunk(role=True))
-            first = True
+                for chunk in responder.role_chunks():
+                    yield sse(chunk)
+            started: set[int] = set()
             async for delta in stream:
-                if first:  # the echoed prompt and prompt logprobs come with the first delta
-                    first = False
-                    head = responder.prompt_chunk(delta.prompt_logprobs)
+                if delta.index not in started:  # a choice's echoed prompt and prompt logprobs come with its first delta
+                    started.add(delta.index)
+                    head = responder.prompt_chunk(delta.prompt_logprobs, delta.index)
                     if head is not None:
                         yield sse(head)
                 # Every step's new tokens go out at once, as vLLM streams them, even when their text
@@ -155,8 +156,9 @@ class OpenAIServer:
                 if delta.text or delta.token_ids:
                     for chunk in responder.delta_chunks(delta):
                         yield sse(chunk)
-            for chunk in responder.closing_chunks(stream.final.finish_reason):
-                yield sse(chunk)
+            for output in stream.final.outputs:
+                for chunk in responder.closing_chunks(output.finish_reason, output.index):
+                    yield sse(chunk)
             if responder.req.include_usage:
                 yield sse(responder.usage_chunk(stream.final))
         except LoopStopped as err:

@@ -7,7 +7,8 @@ new requests; each is parsed at once (its tensors are only valid during the call
 a coroutine on this model's asyncio thread, so ``execute`` returns immediately and requests
 from any number of calls run together: continuous batching across Triton requests.
 
-Each request gets exactly one FINAL response: its last output, or an error (INVALID_ARG for a
+Each request gets exactly one FINAL response: its last output (with several samples,
+``num_return_sequences``: the last sample's closing response), or an error (INVALID_ARG for a
 bad request, UNAVAILABLE when the server is full or stopped, CANCELLED when the client cancelled or
 went away). Cancellation is polled (``response_sender.is_cancelled()``) after every round of the
 request and every `CANCEL_POLL_S` while it waits; a cancelled request is aborted in the loop,
@@ -27,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from trtssd.llm import LLM
+from trtssd.runtime.output_processor import CompletionOutput, RequestOutput
 from trtssd.serving.async_llm import AsyncLLM, LoopStopped, Overloaded, RequestStream
 from trtssd.triton.metrics import TritonMetrics
 from trtssd.triton.model_options import ModelOptions
@@ -109,8 +111,9 @@ class TritonModel:
         try:
             await self._check_constraint(job)
             stream = self.async_llm.submit(job.prompt_ids, job.params)
-        except ValueError as err:  # the loop's own checks: prompt + max_tokens within max_seq_len
-            self._send_error(sender, str(err), self.pb.TritonError.INVALID_ARG)
+        except ValueError as err:  # the loop's own checks: prompt + max_tokens within max_seq_len, n within max_batch
+            named = f"'num_return_sequences': {err}" if getattr(err, "field", None) == "n" else str(err)
+            self._send_error(sender, named, self.pb.TritonError.INVALID_ARG)
             return
         except (Overloaded, LoopStopped) as err:
             self._send_error(sender, str(err), self.pb.TritonError.UNAVAILABLE)
@@ -136,29 +139,39 @@ class TritonModel:
             raise ValueError(f"invalid '{GUIDE_INPUT}': {err}") from None
 
     async def _respond(self, job: GenerateRequest, request: _Open) -> None:
-        generated, cum_log_prob = 0, 0.0
+        generated: dict[int, int] = {}  # per sample: tokens so far
+        cum_log_prob: dict[int, float] = {}
         async for delta in request.stream:
-            generated += len(delta.token_ids)
+            index = delta.index
+            generated[index] = generated.get(index, 0) + len(delta.token_ids)
             log_probs = _values(delta.logprobs) if job.return_log_probs else None
-            cum_log_prob = sum(log_probs or (), cum_log_prob)  # token by token, as the final sum adds them
+            # Token by token, as the final sum adds them.
+            cum_log_prob[index] = sum(log_probs or (), cum_log_prob.get(index, 0.0))
             self._check_cancelled(request)
             if job.stream and not request.cancelled and (delta.text or delta.token_ids):
-                self._send(request.sender, output_arrays(delta.text, delta.token_ids, len(job.prompt_ids), generated,
-                                                         log_probs=log_probs, cum_log_prob=cum_log_prob))
+                self._send(request.sender, output_arrays(delta.text, delta.token_ids, len(job.prompt_ids),
+                                                         generated[index], log_probs=log_probs,
+                                                         cum_log_prob=cum_log_prob[index], sequence_index=index))
         final = request.stream.final
         if final.finish_reason == "abort":
             self._send_error(request.sender, "the request was cancelled", self.pb.TritonError.CANCELLED)
             return
-        all_log_probs = _values(final.logprobs) if job.return_log_probs else None
-        if job.stream:  # the text went out round by round; this one closes the stream
+        for output in final.outputs:  # each sample's closing (or only) response; the last one is FINAL
+            flags = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if output is final.outputs[-1] else 0
+            self._send(request.sender, self._closing(job, final, output), flags)
+
+    def _closing(self, job: GenerateRequest, final: RequestOutput, output: CompletionOutput) -> dict[str, np.ndarray]:
+        """A sample's last response: streamed, its finish reason and the request's figures (its text
+        went out round by round); else its whole output."""
+        all_log_probs = _values(output.logprobs) if job.return_log_probs else None
+        if job.stream:
             text, token_ids = "", ()
             log_probs = [] if job.return_log_probs else None
         else:
-            text = (job.prompt_text if job.prepend_input else "") + final.text
-            token_ids, log_probs = final.token_ids, all_log_probs
-        arrays = output_arrays(text, token_ids, final.prompt_tokens, final.completion_tokens, final.finish_reason,
-                               final.speculation, log_probs, sum(all_log_probs or ()))
-        self._send(request.sender, arrays, self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            text = (job.prompt_text if job.prepend_input else "") + output.text
+            token_ids, log_probs = output.token_ids, all_log_probs
+        return output_arrays(text, token_ids, final.prompt_tokens, len(output.token_ids), output.finish_reason,
+                             final.speculation, log_probs, sum(all_log_probs or ()), output.index)
 
     def _check_cancelled(self, request: _Open) -> None:
         if request.cancelled or request.stream.done or not request.sender.is_cancelled():

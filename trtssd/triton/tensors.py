@@ -7,8 +7,9 @@ The names are the ones existing Triton LLM clients send and read: vLLM's Triton 
 (the optional scalars ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
 ``stop_words``; its speculation outputs ``acceptance_rate``, ``total_accepted_draft_tokens``,
 ``total_draft_tokens``; ``output_ids``; ``return_log_probs`` -> ``output_log_probs``,
-``cum_log_probs``; guided decoding: ``guided_decoding_guide_type``, ``guided_decoding_guide``). So ``vllm bench serve --backend tensorrt-llm`` and clients written for either
-backend work unchanged.
+``cum_log_probs``; guided decoding: ``guided_decoding_guide_type``, ``guided_decoding_guide``;
+several samples: ``num_return_sequences`` -> ``sequence_index``). So ``vllm bench serve --backend
+tensorrt-llm`` and clients written for either backend work unchanged.
 
 Where the shapes differ from TensorRT-LLM's: its models batch (``max_batch_size`` > 0), so a client
 sees its outputs with a leading batch dimension ([1, beams, tokens] for ``output_log_probs``); this
@@ -49,6 +50,9 @@ INPUTS = (
     TensorDef("ignore_eos", "TYPE_BOOL", (1,), True, "keep generating past end-of-sequence (benchmarks)"),
     TensorDef("return_log_probs", "TYPE_BOOL", (1,), True,
                "true: add output_log_probs and cum_log_probs to every response"),
+    TensorDef("num_return_sequences", "TYPE_INT32", (1,), True,
+               "samples of the prompt (1 by default, at most the model's max_batch): each response carries "
+               "one sample's output and its sequence_index"),
     TensorDef("guided_decoding_guide_type", "TYPE_STRING", (1,), True,
                "the output's constraint: json (any JSON object), json_schema, regex or ebnf_grammar"),
     TensorDef("guided_decoding_guide", "TYPE_STRING", (1,), True,
@@ -59,6 +63,8 @@ OUTPUTS = (
     TensorDef("text_output", "TYPE_STRING", (-1,), False, "generated text (streaming: this response's new text)"),
     TensorDef("output_ids", "TYPE_INT32", (-1,), False, "generated token ids (streaming: this response's new ones)"),
     TensorDef("finish_reason", "TYPE_STRING", (-1,), False, "'stop' or 'length' in the last response, else ''"),
+    TensorDef("sequence_index", "TYPE_INT32", (1,), False,
+               "which of the request's num_return_sequences samples the response is about (0 for the first)"),
     TensorDef("num_input_tokens", "TYPE_UINT32", (1,), False, "prompt tokens"),
     TensorDef("num_output_tokens", "TYPE_UINT32", (-1,), False, "tokens generated so far"),
     TensorDef("acceptance_rate", "TYPE_FP32", (1,), False,
@@ -79,4 +85,5 @@ LOG_PROB_OUTPUTS = ("output_log_probs", "cum_log_probs")
 
 # The scalar inputs that set one SamplingParams field each (input name -> field name).
 SAMPLING_INPUTS = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                   "min_p": "min_p", "seed": "seed", "stop_words": "stop", "ignore_eos": "ignore_eos"}
+                   "min_p": "min_p", "seed": "seed", "stop_words": "stop", "ignore_eos": "ignore_eos",
+                   "num_return_sequences": "n"}

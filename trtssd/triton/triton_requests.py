@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from trtssd.models.tokenizer import encode_text
-from trtssd.sampling import SamplingParams
+from trtssd.sampling import FieldError, SamplingParams
 from trtssd.structured.constraint import Constraint, ConstraintError
 from trtssd.triton.tensors import SAMPLING_INPUTS
 
@@ -196,7 +196,12 @@ def _params(settings: dict) -> SamplingParams:
     for key in ("stop", "stop_token_ids"):
         if key in settings:
             settings[key] = tuple(settings[key])
-    return SamplingParams(**settings)  # its ValueError names the field and the allowed range
+    try:
+        return SamplingParams(**settings)  # its ValueError names the field and the allowed range
+    except FieldError as err:
+        if err.field == "n":  # the one field whose input has another name
+            raise FieldError("n", f"'num_return_sequences': {err}") from None
+        raise
 
 
 def _encode(text: str, tokenizer) -> list[int]:

@@ -104,10 +104,10 @@ def _ship_plain_q_from_the_tree(worker) -> None:
     sample, tree = worker._sample, worker._tree
     in_tree = []
 
-    def mutated_sample(logits, seqs, fanouts, uniforms, states=None):
-        tokens, rows = sample(logits, seqs, fanouts, uniforms, states)
+    def mutated_sample(logits, seqs, fanouts, uniforms, states=None, history=None):
+        tokens, rows = sample(logits, seqs, fanouts, uniforms, states, history)
         if in_tree and rows is not None:
-            rows = processed_probs(logits, [s.params for s in seqs])
+            rows = processed_probs(logits, [s.params for s in seqs], history)
         return tokens, rows
 
     def marked_tree(*args):

@@ -23,7 +23,9 @@ def _generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
-        seed=args.seed, stop=tuple(args.stop or ()), constraint=constraint,
+        seed=args.seed, stop=tuple(args.stop or ()), constraint=constraint, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+        min_tokens=args.min_tokens,
     )
     with LLM(args.engine, launch=args.launch, **models, **options) as llm:
         mode = llm.spec.mode.value
@@ -203,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2], OpenAI's (0 = off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2], OpenAI's (0 = off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0, Hugging Face's (1 = off)")
+    g.add_argument("--min-tokens", type=int, default=0, help="no end-of-sequence token before this many tokens")
     _add_launch_option(g)
     g.add_argument("--json", action="store_true", help="print text, token ids and metrics as JSON")
     add_constraint_options(g)

@@ -20,6 +20,12 @@ outcome draw the same numbers. Such rows sample from the plain draft distributio
 depends on the live tree budget) and a miss is always answered by the neural backup, so a seeded
 request's proposals, and with them its output, do not depend on timing, batch or cache hits.
 
+Penalties, logit bias, bad words and min_tokens: the draft processes its q' with them as the
+target does its p (`trtssd.sampling.adjusted_logits`), each chain with its own history: the
+sequence's prompt and output, then the chain's tokens so far (a just-in-time draft's, a glue row's
+speculation before it, a tree branch's path from the speculation through its fork token).
+Exactness does not rest on this (the target processes its own p), acceptance does.
+
 Constrained requests (structured outputs): the draft samples from its grammar-masked q', so it
 proposes only tokens the constraint allows. Each chain follows its own grammar state: a
 just-in-time draft forks the sequence's state, every glue row is masked by the state after the
@@ -43,7 +49,8 @@ from trtssd.runtime.protocol import Outcome, Prefill, SpeculateRequest
 from trtssd.runtime.speedup_model import (BackupCosts, CostCurve, StepCostModel, Timings, Workload,
                                           acceptance_from_length, best_ssd, calibration, calibration_key_fields,
                                           prefer_neural, time_forwards, time_tree_steps)
-from trtssd.sampling import SamplingParams, processed_probs, sample_with_uniforms
+from trtssd.sampling import (History, SamplingParams, adjusted_logits, greedy_tokens, processed_probs,
+                             sample_with_uniforms)
 from trtssd.spec_decode.backup import ngram_proposal
 from trtssd.spec_decode.cache import CachedSpeculation, PreSpeculation, pre_speculation
 from trtssd.spec_decode.fanout import AcceptanceEstimator, PowerLawEstimator, optimal_fanout
@@ -80,6 +87,10 @@ class DraftSequence:
     hit: tuple[PreSpeculation, CachedSpeculation] | None = None  # this round's hit, for the glue
     cached_tokens: int = 0  # prompt tokens the prefix cache gave (not prefilled)
     grammar: GrammarState | None = None  # a constrained request's grammar, after every emitted token
+    prompt_len: int = field(init=False)  # history[:prompt_len] is the prompt (all of history when made)
+
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.history)
 
     @property
     def seeded(self) -> bool:
@@ -127,6 +138,7 @@ class DraftWorker:
         self._answered: list[int] = []  # sequences of the last answer, to pre-speculate for
         self._first: dict[int, torch.Tensor] = {}  # new sequences' prompt logits [V], until their first tree
         self._budgets: dict[int, tuple[int, int]] = {}  # batch size -> (tree budget, rounds left)
+        self.eos_token_ids: tuple[int, ...] = ()  # the target's end tokens, as its prefills say
 
     def calibrate(self, context: int = 128, max_rows: int = 64) -> dict[int, float]:
         """Time draft chain forwards of 1, 2, 4, ... rows and tree steps of as many branches on a
@@ -151,6 +163,7 @@ class DraftWorker:
         """A new sequence's prompt, after its cached prefix; or its next piece (``msg.upto``);
         or, for a sample forked from another (``msg.fork_of``), that sample's prompt KV."""
         sid, prompt = msg.seq_id, list(msg.prompt)
+        self.eos_token_ids = msg.eos_token_ids
         if msg.fork_of is not None and sid not in self._prefilled and self._take_prompt(msg):
             return
         if sid not in self._prefilled:
@@ -357,7 +370,7 @@ class DraftWorker:
             tok, q = self._sample(torch.stack([out[-1] for out in outs]), [seqs[i] for i in live],
                                   [fanouts[i][d] for i, d in zip(live, depth)],
                                   torch.stack([uniforms[i, d] for i, d in zip(live, depth)]),
-                                  [states[i] for i in live])
+                                  [states[i] for i in live], [self._history(seqs[i], chains[i].tokens) for i in live])
             for j, i in enumerate(live):
                 chains[i].add(int(tok[j]), None if q is None else q[j])
                 self._take_forced(seqs[i], states[i], chains[i])
@@ -398,28 +411,36 @@ class DraftWorker:
         return chunk
 
     def _sample(self, logits: torch.Tensor, seqs: list[DraftSequence], fanouts: list[int],
-                uniforms: torch.Tensor, states: list[GrammarState | None] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                uniforms: torch.Tensor, states: list[GrammarState | None] | None = None,
+                history: list[History | None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One token per row from its q' (argmax on greedy rows); returns (tokens, q' rows or None
         when every row is greedy). ``fanouts[i]`` is F at the depth the token is drawn for.
         ``states``: per row, the grammar state the token is drawn at (None: free), masked by it
-        and advanced past the drawn token."""
+        and advanced past the drawn token. ``history``: per row, the tokens before the one drawn
+        (`_history`), for params that adjust the logits."""
         if states is not None and any(st is not None for st in states):
             logits = _masked(logits, states)
-            tokens, q = self._sample(logits, seqs, fanouts, uniforms)
+            tokens, q = self._sample(logits, seqs, fanouts, uniforms, history=history)
             for i, (st, tok) in enumerate(zip(states, tokens.tolist())):
                 if st is not None and not st.accept(tok):
                     states[i] = None  # a finished grammar: what follows is never emitted
             return tokens, q
         params = [s.params for s in seqs]
         if all(p.is_greedy for p in params):
-            return logits.argmax(dim=-1), None
-        q = processed_probs(logits, params)
+            return greedy_tokens(logits, params, history), None
+        q = processed_probs(logits, params, history)
         q_prime = saguaro_probs(q, torch.tensor([self._saguaro_fanout(s, f) for s, f in zip(seqs, fanouts)]),
                                 self.spec.saguaro_c)
         tokens = sample_with_uniforms(q_prime, uniforms)
         greedy = torch.tensor([p.is_greedy for p in params])
-        return torch.where(greedy, logits.argmax(dim=-1), tokens), q_prime
+        return torch.where(greedy, q.argmax(dim=-1), tokens), q_prime  # a greedy row's q: one-hot at its argmax
+
+    def _history(self, seq: DraftSequence, chain: list[int]) -> History | None:
+        """What comes before the token a chain draws next: the sequence's prompt and output, then
+        ``chain`` (the chain's tokens after the output); None where the params adjust nothing."""
+        if not seq.params.adjusts_logits:
+            return None
+        return History(seq.history[:seq.prompt_len], seq.history[seq.prompt_len:] + list(chain), self.eos_token_ids)
 
     def _saguaro_fanout(self, seq: DraftSequence, fanout: int) -> int:
         """F for Saguaro's scaling of this row, or NO_SCALING. sd drafts from the plain q (it has
@@ -528,7 +549,7 @@ class DraftWorker:
             logits = torch.stack([_masked(logits[i], [s.grammar] * depths, s.last_spec if glued else [])
                                   for i, s in enumerate(seqs)])
         proposals = torch.tensor([s.last_spec if glued else [] for s in seqs], dtype=torch.long)
-        forks = select_forks_batched(self._fork_scores(logits, seqs), proposals.view(len(seqs), depths - 1),
+        forks = select_forks_batched(self._fork_scores(logits, seqs, glued), proposals.view(len(seqs), depths - 1),
                                      torch.tensor(fans)[:, :depths])
         layouts = []
         for i, (s, fan) in enumerate(zip(seqs, fans)):
@@ -537,14 +558,20 @@ class DraftWorker:
                                        forks.token[mine], glued), fan))
         return layouts
 
-    def _fork_scores(self, logits: torch.Tensor, seqs: list[DraftSequence]) -> torch.Tensor:
-        """What fork candidates are ranked by, [n, rows, V]: greedy rows by their logits (the
-        argmax chain's order), the others by the processed q the bonus is drawn against."""
-        sampled = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
-        if not sampled:
+    def _fork_scores(self, logits: torch.Tensor, seqs: list[DraftSequence], glued: bool = True) -> torch.Tensor:
+        """What fork candidates are ranked by, [n, rows, V]: greedy rows by their adjusted logits
+        (the argmax chain's order), the others by the processed q the bonus is drawn against. Row
+        j follows the speculation's first j tokens (glued; unglued: the prompt's last row alone)."""
+        params = [s.params for s in seqs]
+        history = [self._history(s, []) for s in seqs]
+        history = [None if h is None else h.along(s.last_spec if glued else []) for h, s in zip(history, seqs)]
+        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+        if not sampled and not any(history):
             return logits
-        scores = logits.float().clone()
-        scores[sampled] = processed_probs(logits[sampled], [seqs[i].params for i in sampled])
+        scores = adjusted_logits(logits, params, history)
+        if sampled:
+            scores = scores.clone() if scores is logits else scores  # the glue rows stay as they are
+            scores[sampled] = processed_probs(logits[sampled], [params[i] for i in sampled], [history[i] for i in sampled])
         return scores
 
     def _fit(self, seq: DraftSequence, fan: list[int]) -> list[int]:
@@ -578,12 +605,20 @@ class DraftWorker:
             return Drafts(torch.zeros(0, self.k, dtype=torch.long), None), []
         uniforms = self._uniforms(branch_seqs, keys)
         states = [_branch_state(s, key[1], key[2]) for s, key in zip(branch_seqs, keys)]
+        # Each branch's tokens after the sequence's output: the speculation to its fork, the fork
+        # token, then what the branch drafts (kept only where the params adjust the logits).
+        paths = [s.last_spec[:j] + [c] if s.params.adjusts_logits else None for s, (_, j, c) in zip(branch_seqs, keys)]
         inputs = [layouts[i][0].fork_token for i in live]
         steps, step_logits = [], []
         for d in range(self.k):
             t0 = time.perf_counter()
             logits = torch.cat(self.executor.forward([layouts[i][0].step_chunk(d, x) for i, x in zip(live, inputs)]))
-            tok, q = self._sample(logits, branch_seqs, [f[d] for f in fan_rows], uniforms[:, d], states)
+            history = [None if path is None else self._history(s, path) for s, path in zip(branch_seqs, paths)]
+            tok, q = self._sample(logits, branch_seqs, [f[d] for f in fan_rows], uniforms[:, d], states, history)
+            if any(path is not None for path in paths):
+                for path, t in zip(paths, tok.tolist()):
+                    if path is not None:
+                        path.append(t)
             # Sampling is part of a step's price: over a 152k vocabulary it is not negligible.
             self.tree_costs.observe(len(branch_seqs), time.perf_counter() - t0)
             steps.append((tok, q))

@@ -64,6 +64,8 @@ class Prefill:
     # Another sample of the same request (SamplingParams.n) whose prompt the draft holds whole:
     # its KV is shared (Executor.share_prefix) instead of prefilled; prefilled if no longer held.
     fork_of: int | None = None
+    # The target's end tokens, which min_tokens holds back on the draft too (the draft has no tokenizer).
+    eos_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

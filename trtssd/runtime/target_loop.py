@@ -43,8 +43,8 @@ from trtssd.runtime.round_choice import RoundChooser, speculation_ceiling
 from trtssd.runtime.speculation_length import LengthChooser
 from trtssd.runtime.speedup_model import CostCurve, StepCostModel, calibrated_forwards
 from trtssd.runtime.transport import PeerLost
-from trtssd.sampling import (FieldError, SamplingParams, TokenLogprob, make_generator, processed_probs,
-                             prompt_logprobs, sample, token_logprobs)
+from trtssd.sampling import (FieldError, History, SamplingParams, TokenLogprob, greedy_tokens, make_generator,
+                             processed_probs, prompt_logprobs, sample, token_logprobs)
 from trtssd.spec_decode.backup import ngram_proposal
 from trtssd.spec_decode.verify import verify
 from trtssd.structured.constraint import ConstraintError
@@ -81,10 +81,16 @@ class Sequence:
     draft_prefilled: int = 0  # prompt tokens sent to the draft's prefill (all of them: it can speculate)
     spec_streak: int = 0  # speculative rounds in a row (since admission or the last plain round)
     grammar: GrammarState | None = None  # a constrained request's grammar, after every emitted token
+    eos_token_ids: tuple[int, ...] = ()  # the model's end tokens (min_tokens holds them back)
     sample_index: int = 0  # which of its request's SamplingParams.n samples this is
     # The sample whose prompt KV this one takes once that prompt is prefilled (samples 1..n-1 of
     # a request; None: this one prefills its prompt itself).
     fork_of: Sequence | None = None
+
+    def history(self) -> History | None:
+        """What comes before this sequence's next position (its prompt and output), where its
+        params adjust the logits (penalties, logit_bias, bad words, min_tokens); else None."""
+        return History(self.prompt, self.output, self.eos_token_ids) if self.params.adjusts_logits else None
 
 
 @dataclass(frozen=True)
@@ -154,7 +160,7 @@ class ExecutorVerifier:
         result = verify(
             logits, proposals.clone(), torch.tensor(counts, dtype=torch.long), probs,
             torch.tensor(point_mass, dtype=torch.bool), [s.params for s in seqs],
-            [s.generator for s in seqs],
+            [s.generator for s in seqs], [s.history() for s in seqs],
         )
         accepted, bonus = tuple(result.num_accepted.tolist()), tuple(result.bonus.tolist())
         for seq, n in zip(seqs, accepted):
@@ -165,13 +171,11 @@ class ExecutorVerifier:
     def plain(self, seqs: list[Sequence]) -> Verified:
         chunks = [chain_chunk(s.seq_id, [s.bonus], self.target.committed(s.seq_id)) for s in seqs]
         logits = constrained(torch.stack(self.target.forward(chunks)), seqs, [[] for _ in seqs])[:, 0]
-        params = [s.params for s in seqs]
+        params, history = [s.params for s in seqs], [s.history() for s in seqs]
         if all(p.is_greedy for p in params):
-            # What sampling the one-hot p would return (its first argmax), without building p: on
-            # a small model the distribution's softmax and CDF cost a tenth of a plain step.
-            nxt = logits.argmax(dim=-1)
+            nxt = greedy_tokens(logits, params, history)  # what sampling the one-hot p would return
         else:
-            nxt = sample(processed_probs(logits, params), [s.generator for s in seqs])
+            nxt = sample(processed_probs(logits, params, history), [s.generator for s in seqs])
         for seq in seqs:
             self.target.commit(seq.seq_id, 1)
         tokens = tuple(nxt.tolist())
@@ -207,7 +211,8 @@ def _logprobs(seqs: list[Sequence], logits: torch.Tensor, emitted: list[list[int
     score row b's emitted tokens at positions 0..), or () when no row does."""
     if all(s.params.logprobs is None for s in seqs):
         return ()
-    return tuple(None if s.params.logprobs is None else token_logprobs(logits[i, :len(emitted[i])], emitted[i], s.params)
+    return tuple(None if s.params.logprobs is None else
+                 token_logprobs(logits[i, :len(emitted[i])], emitted[i], s.params, history=s.history())
                  for i, s in enumerate(seqs))
 
 
@@ -342,7 +347,7 @@ class TargetLoop:
                   fork_of: Sequence | None) -> Sequence:
         seq_id = next(self._ids)
         seq = Sequence(seq_id, request_id or f"req-{seq_id}", list(prompt), params, make_generator(params),
-                       sample_index=index, fork_of=fork_of)
+                       eos_token_ids=self.eos_token_ids, sample_index=index, fork_of=fork_of)
         if params.constraint is not None:
             seq.grammar = self.grammars.start(params.constraint)  # each sample its own grammar state
         return seq
@@ -363,6 +368,9 @@ class TargetLoop:
         bad = [t for t in prompt if not 0 <= t < self.target.vocab_size]
         if bad:
             raise FieldError("prompt", f"prompt token ids must be in [0, {self.target.vocab_size}); got {bad[:5]}")
+        outside = params.vocabulary_errors(self.target.vocab_size)  # logit_bias and bad_words_ids
+        if outside is not None:
+            raise outside
         if params.n > self.max_batch:
             raise FieldError("n", f"n ({params.n}) exceeds max_batch {self.max_batch}: a request's samples run "
                                   "together in the running batch; lower n or raise max_batch")
@@ -476,7 +484,7 @@ class TargetLoop:
             self.prefilling.remove(seq)
             self.prefix_cache.index(seq.seq_id, seq.prompt)
             if seq.params.prompt_logprobs is not None:
-                seq.prompt_logprobs = prompt_logprobs(r, seq.prompt, seq.params)
+                seq.prompt_logprobs = prompt_logprobs(r, seq.prompt, seq.params, self.eos_token_ids)
             self.running.append(seq)  # a prompt-only one leaves again at this step's _retire
             for sample in (seq, *self._fork(seq)):  # every sample's first token from the prompt's last logits
                 if seq.params.max_tokens == 0:
@@ -553,7 +561,8 @@ class TargetLoop:
     def _first_tokens(self, seqs: list[Sequence], logits: torch.Tensor, outputs: list[StepOutput]) -> None:
         """Sample and emit each new sequence's first token from its prompt's last logits [B, V]."""
         logits = constrained(logits[:, None], seqs, [[] for _ in seqs])[:, 0]
-        first = sample(processed_probs(logits, [s.params for s in seqs]), [s.generator for s in seqs]).tolist()
+        p = processed_probs(logits, [s.params for s in seqs], [s.history() for s in seqs])
+        first = sample(p, [s.generator for s in seqs]).tolist()
         logprobs = _logprobs(seqs, logits[:, None], [[t] for t in first])
         for i, (seq, tok) in enumerate(zip(seqs, first)):
             seq.outcome = P.Outcome(seq.seq_id, 0, tok)
@@ -576,7 +585,8 @@ class TargetLoop:
 
     def _prefill_on_draft(self, seq: Sequence, upto: int) -> None:
         fork_of = seq.fork_of.seq_id if self._draft_forks(seq) else None
-        seq.on_draft = self.draft.send(P.Prefill(seq.seq_id, tuple(seq.prompt), seq.params, upto, fork_of))
+        seq.on_draft = self.draft.send(P.Prefill(seq.seq_id, tuple(seq.prompt), seq.params, upto, fork_of,
+                                                 eos_token_ids=self.eos_token_ids))
         seq.draft_prefilled = upto
 
     def _draft_catches_up(self) -> bool:

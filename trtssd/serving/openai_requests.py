@@ -3,7 +3,7 @@
 `CompletionRequest` and `ChatCompletionRequest` are pydantic models with one field per OpenAI
 parameter we take: FastAPI checks each body against them, and /openapi.json documents every
 field with its allowed values. A field is supported, or accepted only at the value that turns
-it off (``best_of`` = 1, penalties 0, ...: features we do not have are refused, never
+it off (``best_of`` = 1, ``suffix`` "", ...: features we do not have are refused, never
 ignored); any other field is refused. JSON null means "not given", as OpenAI clients send it.
 What a field's type cannot say (one field that needs another, the model's tokenizer) is checked
 in `to_generation_request`, and the prompt + max_tokens length by the engine at submit.
@@ -19,13 +19,16 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 from pydantic import BaseModel, Field, model_validator
 
 from trtssd.models.tokenizer import chat_prompt_ids, encode_text
-from trtssd.sampling import MAX_LOGPROBS, MAX_N, MIN_TEMPERATURE, SamplingParams
+from trtssd.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_PENALTY, MIN_TEMPERATURE, SamplingParams
 from trtssd.serving.openai_body import ApiError, Body, ErrorInfo, ErrorResponse  # noqa: F401 - re-exported
 from trtssd.serving.openai_structured import Structured, StructuredFields, ToolFields, ToolParsing
 from trtssd.structured.tools import template_tool_calls
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 MAX_SEED = 2**63 - 1  # SamplingParams' limit (a torch.Generator seed)
+# Most logit_bias entries a request may send: a bound on what one request makes every step do
+# (the bias itself is one dense vector); far more than banning or favouring a few words takes.
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 class Endpoint(str, enum.Enum):
@@ -67,7 +70,7 @@ class GenerationRequest:
             return self.max_tokens_param
         if field == "constraint" and self.constraint_param is not None:
             return self.constraint_param
-        if field == "n":  # n above the server's running batch
+        if field in ("n", "logit_bias"):  # n above the server's running batch; a token id outside the vocabulary
             return field
         return "messages" if self.endpoint is Endpoint.CHAT else "prompt"
 
@@ -149,10 +152,21 @@ class _Common(StructuredFields):
     n: Optional[int] = Field(
         None, ge=1, le=MAX_N, description=f"an integer in [1, {MAX_N}], and at most the server's max_batch: how many "
         "samples (choices) of the prompt to generate, the prompt prefilled once")
-    frequency_penalty: Optional[float] = Field(None, ge=0, le=0, description=f"0 {OFF}")
-    presence_penalty: Optional[float] = Field(None, ge=0, le=0, description=f"0 {OFF}")
-    repetition_penalty: Optional[float] = Field(None, ge=1, le=1, description=f"1 {OFF}")
-    logit_bias: Optional[dict[str, float]] = Field(None, max_length=0, description=f"{{}} {OFF}")
+    frequency_penalty: Optional[float] = Field(
+        0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, description=f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]: each "
+        "token's logit lowered by this times its count in the output so far; 0 = off")
+    presence_penalty: Optional[float] = Field(
+        0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, description=f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]: the "
+        "logit of each token the output holds so far lowered by this; 0 = off")
+    repetition_penalty: Optional[float] = Field(
+        1.0, gt=0, description="a number > 0 (vLLM's): the logits of the prompt's and output's tokens divided by it "
+        "where positive, multiplied where not; 1 = off")
+    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]]] = Field(
+        None, max_length=MAX_LOGIT_BIAS_ENTRIES, description=f"an object of at most {MAX_LOGIT_BIAS_ENTRIES} token ids "
+        f"(as strings) to biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], added to those tokens' logits")
+    min_tokens: Optional[int] = Field(
+        0, ge=0, description="an integer >= 0, at most the output length (vLLM's): no end-of-sequence or stop token "
+        "before the output has this many tokens")
     prompt_logprobs: Optional[int] = Field(
         None, ge=0, le=MAX_LOGPROBS, description=f"an integer in [0, {MAX_LOGPROBS}]: each prompt token's logprob "
         "and this many alternatives, as vLLM's 'prompt_logprobs' list (the first token's entry null)")
@@ -176,7 +190,8 @@ class _Common(StructuredFields):
                 stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
                 stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
                 logprobs=logprobs, prompt_logprobs=max(scored) if scored else None, constraint=structured.constraint,
-                n=self.n or 1)
+                n=self.n or 1, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias_ids(), min_tokens=self.min_tokens)
         except ValueError as err:  # a check of SamplingParams' that the fields' types do not make (yet)
             raise ApiError(400, str(err), getattr(err, "field", None)) from None
         include_usage = self.stream_options is not None and self.stream_options.include_usage
@@ -189,6 +204,15 @@ class _Common(StructuredFields):
     def echoed_prompt(self, prompt: list[int], model: ModelInfo) -> str | None:
         """The prompt's text when the answer starts with it (a completion's echo), else None."""
         return None
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        """logit_bias by token id (a JSON object's keys are strings); whether each id is in the
+        vocabulary is the engine's check at submit."""
+        bad = [key for key in self.logit_bias or {} if not (key.isascii() and key.isdigit())]
+        if bad:
+            raise ApiError(400, f"'logit_bias' keys must be token ids (integers >= 0 written as strings); got "
+                                f"{_show(bad[:5])}", "logit_bias")
+        return {int(key): bias for key, bias in (self.logit_bias or {}).items()}
 
 
 class CompletionRequest(_Common):

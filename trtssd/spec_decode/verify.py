@@ -14,6 +14,10 @@ Every row is verified by the rule that matches how its proposals were *produced*
 
 If every valid proposal of a row is accepted the bonus is drawn from p at the row's last valid
 position. Nothing here looks at cache hits or misses: exactness depends only on the row's q.
+
+p at position i of a row whose params adjust the logits (penalties, logit_bias, bad words,
+min_tokens) is processed with the row's history followed by its proposals before i: the history
+plain decoding would have had there, had it emitted those proposals.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from typing import Sequence
 
 import torch
 
-from trtssd.sampling import Generators, SamplingParams, draw_uniforms, processed_probs, sample_with_uniforms
+from trtssd.sampling import (Generators, Histories, SamplingParams, draw_uniforms, processed_probs,
+                             sample_with_uniforms)
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,7 @@ def verify(
     point_mass: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Generators,
+    history: Histories = None,
 ) -> VerifyResult:
     """Verify a batch of speculations exactly.
 
@@ -59,10 +65,12 @@ def verify(
     point_mass:    [B] bool, the row's proposals are deterministic (draft_probs ignored).
     params:        one SamplingParams per row (defines p through trtssd.sampling.processed_probs).
     generators:    per-row RNGs (see trtssd.sampling.Generators); each row draws K+1 uniforms.
+    history:       per row, the tokens before its first position (trtssd.sampling.History), or
+                   None; needed by rows whose params adjust the logits.
     """
     batch, k_max, _ = _check_shapes(target_logits, proposals, num_proposals, draft_probs, point_mass)
     device = target_logits.device
-    p = processed_probs(target_logits, params)  # [B, K+1, V]
+    p = processed_probs(target_logits, params, _along_proposals(history, proposals, num_proposals))  # [B, K+1, V]
     greedy = torch.tensor([sp.is_greedy for sp in params], dtype=torch.bool, device=device)
     deterministic = point_mass.to(device=device, dtype=torch.bool) | greedy
     if draft_probs is None and not bool(deterministic.all()):
@@ -93,6 +101,14 @@ def verify(
     # Greedy rows: the distribution above is already one-hot; take its argmax explicitly.
     bonus = torch.where(greedy, bonus_dist.argmax(dim=-1), bonus)
     return VerifyResult(num_accepted, bonus)
+
+
+def _along_proposals(history: Histories, proposals: torch.Tensor, num_proposals: torch.Tensor) -> Histories:
+    """Each row's history followed by its valid proposals: position i sees the first i."""
+    if history is None:
+        return None
+    rows, counts = proposals.tolist(), num_proposals.tolist()
+    return [None if h is None else h.along(row[:n]) for h, row, n in zip(history, rows, counts)]
 
 
 def _bonus_distribution(

@@ -8,8 +8,11 @@ The names are the ones existing Triton LLM clients send and read: vLLM's Triton 
 ``stop_words``; its speculation outputs ``acceptance_rate``, ``total_accepted_draft_tokens``,
 ``total_draft_tokens``; ``output_ids``; ``return_log_probs`` -> ``output_log_probs``,
 ``cum_log_probs``; guided decoding: ``guided_decoding_guide_type``, ``guided_decoding_guide``;
-several samples: ``num_return_sequences`` -> ``sequence_index``). So ``vllm bench serve --backend
-tensorrt-llm`` and clients written for either backend work unchanged.
+several samples: ``num_return_sequences`` -> ``sequence_index``;
+penalties and biases: ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``,
+``min_tokens`` (or ``min_length``), ``bad_words``, ``embedding_bias``, ``embedding_bias_words`` with
+``embedding_bias_weights``). So ``vllm bench serve --backend tensorrt-llm`` and clients written for
+either backend work unchanged.
 
 Where the shapes differ from TensorRT-LLM's: its models batch (``max_batch_size`` > 0), so a client
 sees its outputs with a leading batch dimension ([1, beams, tokens] for ``output_log_probs``); this
@@ -57,6 +60,21 @@ INPUTS = (
                "the output's constraint: json (any JSON object), json_schema, regex or ebnf_grammar"),
     TensorDef("guided_decoding_guide", "TYPE_STRING", (1,), True,
                "the constraint's schema, regex or EBNF grammar (none for json)"),
+    TensorDef("presence_penalty", "TYPE_FP32", (1,), True,
+               "in [-2, 2]: lowers the logit of each token the output holds (OpenAI's); 0 = off"),
+    TensorDef("frequency_penalty", "TYPE_FP32", (1,), True,
+               "in [-2, 2]: lowers each token's logit by this times its count in the output (OpenAI's); 0 = off"),
+    TensorDef("repetition_penalty", "TYPE_FP32", (1,), True,
+               "> 0: divides the positive logits of the prompt's and output's tokens, multiplies the others; 1 = off"),
+    TensorDef("min_tokens", "TYPE_INT32", (1,), True, "no end-of-sequence or stop token before this many output tokens"),
+    TensorDef("min_length", "TYPE_INT32", (1,), True, "min_tokens by TensorRT-LLM's older name"),
+    TensorDef("bad_words", "TYPE_STRING", (-1,), True,
+               "words the output never completes: each word's last token is banned where the text ends with its others"),
+    TensorDef("embedding_bias", "TYPE_FP32", (-1,), True,
+               "[vocab] added to the logits (by token id, as OpenAI's logit_bias: values in [-100, 100])"),
+    TensorDef("embedding_bias_words", "TYPE_STRING", (-1,), True,
+               "words whose tokens get the matching embedding_bias_weights added to their logits"),
+    TensorDef("embedding_bias_weights", "TYPE_FP32", (-1,), True, "one bias per embedding_bias_words entry"),
 )
 
 OUTPUTS = (
@@ -86,4 +104,6 @@ LOG_PROB_OUTPUTS = ("output_log_probs", "cum_log_probs")
 # The scalar inputs that set one SamplingParams field each (input name -> field name).
 SAMPLING_INPUTS = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                    "min_p": "min_p", "seed": "seed", "stop_words": "stop", "ignore_eos": "ignore_eos",
-                   "num_return_sequences": "n"}
+                   "num_return_sequences": "n",
+                   "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                   "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens", "min_length": "min_tokens"}

@@ -16,6 +16,13 @@ vLLM's ``logprobs`` key (a number of alternatives) is checked, so its clients ar
 but it asks for nothing: vLLM's backend returns them only on its own ``logprobs`` output (a
 JSON string with each alternative's rank and decoded text), which this model does not have.
 
+Penalties come as vLLM's keys or TensorRT-LLM's inputs of the same names (``presence_penalty``,
+``frequency_penalty``, ``repetition_penalty``, ``min_tokens``; TensorRT-LLM's older ``min_length``
+too). TensorRT-LLM's token inputs map onto SamplingParams: ``bad_words`` (each word tokenized
+without special tokens, as its preprocessing does) onto ``bad_words_ids``; ``embedding_bias`` (a
+[vocab] vector) and ``embedding_bias_words`` / ``embedding_bias_weights`` (each word's tokens get
+its weight) onto ``logit_bias``, so their values must lie in [-100, 100]: a ban is a bad word.
+
 A constraint on the output comes as TensorRT-LLM's backend takes one: ``guided_decoding_guide_type``
 (json, json_schema, regex, ebnf_grammar) and ``guided_decoding_guide`` (the schema, regex or
 grammar). Its form is checked here; whether the grammar engine compiles it, by the model before
@@ -26,12 +33,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from trtssd.models.tokenizer import encode_text
-from trtssd.sampling import FieldError, SamplingParams
+from trtssd.sampling import MAX_LOGIT_BIAS, FieldError, SamplingParams
 from trtssd.structured.constraint import Constraint, ConstraintError
 from trtssd.triton.tensors import SAMPLING_INPUTS
 
@@ -39,7 +47,8 @@ DEFAULT_MAX_TOKENS = 16  # vLLM's (and its Triton backend's) default
 
 # The keys of ``sampling_parameters`` and their types (vLLM's names; top_k -1 means off, as there).
 SAMPLING_KEYS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float,
-                 "seed": int, "stop": list, "stop_token_ids": list, "ignore_eos": bool, "logprobs": int}
+                 "seed": int, "stop": list, "stop_token_ids": list, "ignore_eos": bool, "logprobs": int,
+                 "presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float, "min_tokens": int}
 
 # guided_decoding_guide_type -> how its guide becomes a Constraint (TensorRT-LLM's names).
 GUIDE_TYPES = {"json": None, "json_schema": Constraint.json_schema, "regex": Constraint.regex,
@@ -69,7 +78,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict, tokenizer) ->
     return_log_probs = _bool(inputs, "return_log_probs", False)
     # After its checks the `logprobs` key is dropped (see above): only the flag asks the engine.
     params = dataclasses.replace(_params(settings), logprobs=0 if return_log_probs else None,
-                                 constraint=_constraint(inputs))
+                                 constraint=_constraint(inputs), **_token_inputs(inputs, tokenizer))
     return GenerateRequest(text, _encode(text, tokenizer), params, stream, prepend_input, return_log_probs)
 
 
@@ -96,6 +105,45 @@ def _constraint(inputs: dict[str, np.ndarray]) -> Constraint | None:
         return GUIDE_TYPES[kind](guide)
     except ConstraintError as err:
         raise ValueError(f"invalid '{GUIDE_INPUT}': {err}") from None
+
+
+def _token_inputs(inputs: dict[str, np.ndarray], tokenizer) -> dict:
+    """TensorRT-LLM's bad_words and embedding bias inputs as SamplingParams fields (bad_words_ids,
+    logit_bias); words are tokenized without special tokens, and empty ones skipped, as its
+    preprocessing model does."""
+    out: dict = {}
+    if "bad_words" in inputs:
+        out["bad_words_ids"] = tuple(tuple(ids) for ids in _words(inputs, "bad_words", tokenizer) if ids)
+    bias: dict[int, float] = {}
+    if "embedding_bias" in inputs:
+        values = inputs["embedding_bias"].reshape(-1).astype(np.float64)
+        for token in np.flatnonzero(values):
+            bias[int(token)] = float(values[token])
+    if "embedding_bias_words" in inputs or "embedding_bias_weights" in inputs:
+        words = _words(inputs, "embedding_bias_words", tokenizer)
+        weights = inputs.get("embedding_bias_weights", np.zeros(0)).reshape(-1).astype(np.float64)
+        if len(words) != len(weights):
+            raise ValueError(f"'embedding_bias_weights' must hold one weight per 'embedding_bias_words' entry: got "
+                             f"{len(weights)} weights for {len(words)} words")
+        for ids, weight in zip(words, weights):
+            for token in ids:
+                bias[token] = bias.get(token, 0.0) + float(weight)
+    outside = {t: b for t, b in bias.items() if not (math.isfinite(b) and abs(b) <= MAX_LOGIT_BIAS)}
+    if outside:
+        raise ValueError(f"'embedding_bias' values (with the embedding_bias_words weights) must be finite numbers in "
+                         f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], as OpenAI's logit_bias; ban a token with "
+                         f"'bad_words' instead; got {dict(list(outside.items())[:5])}")
+    if bias:
+        out["logit_bias"] = {t: b for t, b in bias.items() if b}
+    return out
+
+
+def _words(inputs: dict[str, np.ndarray], name: str, tokenizer) -> list[list[int]]:
+    """Each string of a word-list input as its token ids (an empty word: no ids)."""
+    words = [_string(v, name) for v in inputs.get(name, np.zeros(0, dtype=object)).reshape(-1)]
+    if words and tokenizer is None:
+        raise ValueError(f"this model has no tokenizer, so it cannot take '{name}'")
+    return [list(tokenizer.encode(w, add_special_tokens=False)) if w else [] for w in words]
 
 
 def _one_string(inputs: dict[str, np.ndarray], name: str) -> str:
@@ -158,6 +206,8 @@ def _scalar_inputs(inputs: dict[str, np.ndarray]) -> dict:
             continue
         if values.size != 1:
             raise ValueError(f"'{name}' must hold one value; got {values.size}")
+        if field in out:  # min_tokens and min_length both
+            raise ValueError(f"'{name}' and 'min_tokens' set the same thing: send one of them")
         value = values[0]
         out[field] = bool(value) if name == "ignore_eos" else value.item()
     return out

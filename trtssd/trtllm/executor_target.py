@@ -130,6 +130,11 @@ def check_supported(params: SamplingParams) -> None:
     if params.constraint is not None:
         raise ValueError("SamplingParams.constraint must be None with the TensorRT-LLM target: its rounds verify "
                          "without the per-position grammar masks exactness needs")
+    if params.adjusts_logits:
+        # Its penalty layer sees one sequence per request: whether each draft position is penalised
+        # with the drafts before it, as exactness needs, is not known (never run).
+        raise ValueError("SamplingParams penalties, logit_bias, bad_words_ids and min_tokens must be off with the "
+                         "TensorRT-LLM target: its rounds are not known to apply them per draft position")
 
 
 def sampling_config_fields(params: SamplingParams) -> dict:

@@ -237,3 +237,27 @@ def test_the_tensorrt_llm_target_refuses_them_and_the_cli_takes_them():
     args = build_parser().parse_args(["generate", "--presence-penalty", "0.5", "--frequency-penalty", "-1",
                                       "--repetition-penalty", "1.2", "--min-tokens", "3"])
     assert (args.presence_penalty, args.frequency_penalty, args.repetition_penalty, args.min_tokens) == (0.5, -1, 1.2, 3)
+
+
+class CharTokenizer:
+    """Token id = a character's code point (what the detokenizer needs: decode)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_under_min_tokens_a_stop_string_counts_only_from_the_min_tokens_th_token():
+    from trtssd.runtime.detokenizer import IncrementalDetokenizer
+
+    def text(min_tokens: int, tokens: str = "xabyabz") -> tuple[str, int]:
+        detok = IncrementalDetokenizer(CharTokenizer(), ["ab"], min_tokens)
+        for n, c in enumerate(tokens, start=1):
+            detok.add(ord(c))
+            if detok.stop_string is not None:
+                return detok.text, n
+        return detok.text + detok.finish(), len(tokens)
+
+    assert text(0) == ("x", 3)  # the stop completes at token 3
+    assert text(3) == ("x", 3)  # ... which is the min_tokens-th: it counts
+    assert text(4) == ("xaby", 6)  # before the 4th token it is text; the next one ends the output
+    assert text(7) == ("xabyabz", 7)

@@ -88,6 +88,13 @@ def test_min_tokens_keeps_a_short_chat_answer_going(served):
                                             extra_body={"min_tokens": 25})
     assert longer.usage.completion_tokens >= 25
     assert longer.choices[0].message.content.startswith(short.choices[0].message.content)
+    # A stop string the answer starts with ends it at once, unless min_tokens holds it back (vLLM's rule).
+    stop = short.choices[0].message.content[:3]
+    cut = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0, stop=[stop])
+    assert cut.choices[0].message.content == "" and cut.choices[0].finish_reason == "stop"
+    kept = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0, stop=[stop],
+                                          extra_body={"min_tokens": 25})
+    assert kept.usage.completion_tokens >= 25 and kept.choices[0].message.content.startswith(stop)
     streamed = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0, stream=True,
                                               presence_penalty=0.5, frequency_penalty=0.5,
                                               extra_body={"min_tokens": 25})

@@ -149,7 +149,7 @@ class LLM:
         texts = {}
         for samples in requests:
             for seq in samples:
-                texts[seq.seq_id] = OutputText(self.tokenizer, seq.params.stop, seq.sample_index)
+                texts[seq.seq_id] = OutputText(self.tokenizer, seq.params.stop, seq.sample_index, seq.params.min_tokens)
                 loop.add(seq)
         while loop.has_unfinished():
             for out in loop.step():
@@ -170,7 +170,7 @@ class LLM:
         if params.n != 1:
             raise FieldError("n", f"LLM.stream streams one sample; n = {params.n} needs LLM.generate or the server")
         seq = loop.new_sequence(self._encode(prompt), params)
-        text = OutputText(self.tokenizer, seq.params.stop)
+        text = OutputText(self.tokenizer, seq.params.stop, min_tokens=seq.params.min_tokens)
         loop.add(seq)
         while seq.finish_reason is None:
             for out in loop.step():

@@ -15,7 +15,9 @@ no flush for an incomplete character at the end of an output.
 
 `IncrementalDetokenizer` adds stop strings on top. It holds back any trailing text that could
 still become a stop string, so nothing it sends is ever taken back: the concatenation of its
-deltas is always the final text, and the final text ends right before the stop string.
+deltas is always the final text, and the final text ends right before the stop string. Under
+``min_tokens`` (SamplingParams) a stop string counts only once the output has that many tokens, as
+vLLM checks them: one completed before is text like any other.
 """
 
 from __future__ import annotations
@@ -95,9 +97,11 @@ class IncrementalDetokenizer:
     sequence ends for another reason, `finish` returns the text still held back.
     """
 
-    def __init__(self, tokenizer, stop: Iterable[str] = ()):
+    def __init__(self, tokenizer, stop: Iterable[str] = (), min_tokens: int = 0):
         self._decoder = IncrementalDecoder(tokenizer)
         self._stops = tuple(s for s in stop if s)
+        self._min_tokens = min_tokens
+        self._tokens = 0  # tokens added so far
         self._held = ""  # decoded text not sent yet: its end could be the start of a stop string
         self._sent: list[str] = []
         self.stop_string: str | None = None
@@ -111,10 +115,11 @@ class IncrementalDetokenizer:
         if self.stop_string is not None:
             raise RuntimeError("tokens added after a stop string")
         released, tentative = self._decoder.add(token_id)
+        self._tokens += 1
         candidate = self._held + released
         # Look into the tentative text too, so the stop is found at the token that completes it
         # even when a later incomplete character holds the decoder's text back.
-        cut = self._until_stop(candidate + tentative)
+        cut = self._until_stop(candidate + tentative) if self._tokens >= self._min_tokens else None
         if cut is not None:
             return self._send(cut, "")
         keep = len(candidate) - held_back(candidate, self._stops)
@@ -126,7 +131,7 @@ class IncrementalDetokenizer:
             return ""
         candidate = self._held + self._decoder.flush()
         # A stop found only now is one that the incomplete character's U+FFFD took part in.
-        cut = self._until_stop(candidate)
+        cut = self._until_stop(candidate) if self._tokens >= self._min_tokens else None
         return self._send(candidate if cut is None else cut, "")
 
     def _until_stop(self, text: str) -> str | None:

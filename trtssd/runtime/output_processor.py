@@ -107,8 +107,9 @@ class OutputText:
     """One request's text: its tokens detokenized as the loop emits them, cut at the first stop
     string. Without a tokenizer the text stays empty and stop strings cannot apply."""
 
-    def __init__(self, tokenizer, stop: Seq[str] = (), index: int = 0):
-        self._detokenizer = IncrementalDetokenizer(tokenizer, stop) if tokenizer is not None else None
+    def __init__(self, tokenizer, stop: Seq[str] = (), index: int = 0, min_tokens: int = 0):
+        """min_tokens: stop strings count from the output's min_tokens-th token on (SamplingParams)."""
+        self._detokenizer = IncrementalDetokenizer(tokenizer, stop, min_tokens) if tokenizer is not None else None
         self.index = index  # the request's sample this text is (Delta.index)
         self.num_tokens = 0  # tokens taken into the output
         self.stop_at: int | None = None  # set once a stop string ended the output

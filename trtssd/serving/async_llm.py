@@ -53,7 +53,8 @@ class RequestStream:
         self._seq_ids = [s.seq_id for s in samples]
         self._server = server
         self._loop = loop
-        self._texts = {s.seq_id: OutputText(server.tokenizer, s.params.stop, s.sample_index) for s in samples}
+        self._texts = {s.seq_id: OutputText(server.tokenizer, s.params.stop, s.sample_index, s.params.min_tokens)
+                       for s in samples}
         self._finished: dict[int, Sequence] = {}  # samples the loop has finished, by seq_id
         self._items: asyncio.Queue = asyncio.Queue()
 

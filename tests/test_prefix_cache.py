@@ -339,6 +339,34 @@ def test_torch_outputs_with_prefix_cache_and_chunks_equal_outputs_without(tiny_l
         assert draft_cached == cached
 
 
+def test_seeded_sampled_requests_take_no_prefix_whose_reuse_only_rounds_alike(tiny_llm):
+    """torch's split prefill equals one prefill up to rounding only: a seeded sampled request,
+    whose seed promises the same draws, prefills its whole prompt on both ranks (greedy ones still
+    reuse); its outputs equal those without the cache."""
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with tiny_llm(prefix_cache_seqs=0, k=3, plain_under_load=False) as llm:
+        expected, _, _ = _outputs(llm, seeded)
+    with tiny_llm(prefix_cache_seqs=2, k=3, plain_under_load=False) as llm:
+        got, cached, draft_cached = _outputs(llm, seeded)
+        _, greedy_cached, _ = _outputs(llm, greedy)
+    assert got == expected
+    assert cached == draft_cached == [0] * 5
+    assert greedy_cached[1:3] == [144, 144]
+
+
+def test_only_executors_whose_split_prefill_keeps_the_bits_give_seeded_requests_a_prefix():
+    from trtssd.backends.ggml_backend import TiledPromptSplits
+
+    seeded = SamplingParams(temperature=0.7, seed=1)
+    rows = _Rows(8)
+    assert not PrefixCache(rows, 4).reuse_keeps_bits(seeded)
+    assert PrefixCache(rows, 4).reuse_keeps_bits(SamplingParams(temperature=0.7))
+    assert PrefixCache(rows, 4).reuse_keeps_bits(SamplingParams(temperature=0, seed=1))
+    rows.prompt_splits = TiledPromptSplits(7)
+    assert PrefixCache(rows, 4).reuse_keeps_bits(seeded)
+
+
 @pytest.mark.parametrize("mode", ["ar", "ssd"])
 def test_ggml_outputs_with_prefix_cache_and_chunks_equal_outputs_without(tmp_path_factory, mode):
     pytest.importorskip("llama_cpp")

@@ -165,3 +165,17 @@ def test_metrics_show_the_same_hit_rate_with_speculation_on_and_off(engine):
     assert ssd == {"vllm:prefix_cache_queries_total": sum(prompt), "vllm:prefix_cache_hits_total": sum(expected),
                    "trtssd:draft_prefix_cache_queries_total": sum(prompt),
                    "trtssd:draft_prefix_cache_hits_total": sum(draft_expected)}
+
+
+def test_a_seeded_sampled_request_repeats_itself_once_its_prompt_is_cached_on_torch():
+    """The torch draft's split prefill rounds differently from one prefill, which moves its q'
+    and so which proposals a seeded request accepts: the request takes no cached prefix there,
+    and its output is the same before and after its prompt is cached."""
+    from trtssd.build import default_engine
+
+    prompt = filler_text(60, 3) + " Tell me about cats."
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=32)
+    with LLM(str(default_engine()), **MODES["ssd"]) as llm:
+        outs = [llm.generate([prompt], params)[0] for _ in range(3)]
+    assert [o.token_ids for o in outs[1:]] == [outs[0].token_ids] * 2
+    assert [o.speculation.draft_cached_tokens for o in outs] == [0, 0, 0]

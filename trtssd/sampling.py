@@ -201,6 +201,13 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def seeded_sampling(self) -> bool:
+        """A sampled request with a seed: it promises the same output at any load, so every
+        logit it is sampled or verified with must keep its bits (no prefill split that rounds
+        differently, no plain round where it would have speculated)."""
+        return self.seed is not None and not self.is_greedy
+
     def for_sample(self, index: int) -> "SamplingParams":
         """Sample ``index`` of an ``n``-sample request as a request of its own: n = 1 and the
         sample's seed (`sample_seed`), every other field as given."""

@@ -32,6 +32,10 @@ class PromptSplits:
     whose rows depend on the forward's shape overrides it."""
 
     block = 16  # tokens per cached block (vLLM's default block size)
+    # Whether a split prefill writes the very bits of one forward over it all. Where it does not
+    # (torch's matmuls round differently by row count) a split is equal only up to rounding, and
+    # a seeded sampled request, which promises the same draws, takes no cached prefix.
+    exact = False
 
     def kind(self, length: int) -> int:
         """Which kernels one forward's prefill of a ``length``-token prompt runs on: a cached

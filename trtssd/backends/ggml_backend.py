@@ -731,6 +731,7 @@ class TiledPromptSplits(PromptSplits):
     one prefill."""
 
     block = 16
+    exact = True  # every split it allows keeps each row on the kernels of one prefill
 
     def __init__(self, piece: int):
         self.piece = piece

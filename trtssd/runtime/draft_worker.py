@@ -167,7 +167,7 @@ class DraftWorker:
         if msg.fork_of is not None and sid not in self._prefilled and self._take_prompt(msg):
             return
         if sid not in self._prefilled:
-            cached = self.prefix_cache.start(sid, prompt)
+            cached = self.prefix_cache.start(sid, prompt, reuse=self.prefix_cache.reuse_keeps_bits(msg.params))
             self._prefilled[sid] = (cached, cached)
         start, cached = self._prefilled[sid]
         end = len(prompt) if msg.upto is None else msg.upto

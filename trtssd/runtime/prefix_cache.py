@@ -72,6 +72,12 @@ class PrefixCache:
     def enabled(self) -> bool:
         return self.max_kept > 0
 
+    def reuse_keeps_bits(self, params) -> bool:
+        """Whether a request with these SamplingParams may take a cached prefix: always, unless
+        it is seeded and sampled (its seed promises the same draws) and a cached prefix is equal
+        to a prefill only up to rounding on this executor."""
+        return self.splits.exact or not params.seeded_sampling
+
     def start(self, seq_id: int, prompt: list[int], reuse: bool = True) -> int:
         """Add ``seq_id`` to the executor with the longest cached prefix of its prompt; returns
         that prefix's length (0 on a miss). ``reuse`` False starts it empty (a request that

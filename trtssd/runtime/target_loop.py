@@ -441,7 +441,8 @@ class TargetLoop:
             if seq.fork_of is not None and not any(s is seq.fork_of for s in self.prefilling):
                 seq.fork_of = None  # its sample 0 is past its prefill (or gone): this one prefills itself
             # Prompt logprobs need every prompt row's logits: such a request prefills it all.
-            reuse = seq.params.prompt_logprobs is None and seq.fork_of is None
+            reuse = (seq.params.prompt_logprobs is None and seq.fork_of is None
+                     and self.prefix_cache.reuse_keeps_bits(seq.params))
             seq.prefilled = seq.num_cached_tokens = self.prefix_cache.start(seq.seq_id, seq.prompt, reuse=reuse)
             for fork in group[1:]:
                 self.prefix_cache.start(fork.seq_id, fork.prompt, reuse=False)
@@ -641,7 +642,7 @@ class TargetLoop:
         return not self.spec.plain_under_load or self._seeded_sampling() or self.chooser.speculate(len(self.running))
 
     def _seeded_sampling(self) -> bool:
-        return any(s.params.seed is not None and not s.params.is_greedy for s in self.running)
+        return any(s.params.seeded_sampling for s in self.running)
 
     def _ar_round(self, outputs: list[StepOutput]) -> None:
         """One plain target step for every running row: chosen by load control while the draft
@@ -691,7 +692,7 @@ class TargetLoop:
         if self.spec.mode is Mode.AR or len(seqs) != 1 or not self.target.spare_rows(1):
             return []
         seq = seqs[0]
-        if seq.grammar is not None or (seq.params.seed is not None and not seq.params.is_greedy):
+        if seq.grammar is not None or seq.params.seeded_sampling:
             return []
         return ngram_proposal(seq.prompt + seq.output, 1)
 

@@ -28,7 +28,7 @@ def reference_adjusted(logits: np.ndarray, sp: SamplingParams, prompt: list[int]
     x = logits.astype(np.float64).copy()
     for token, bias in sp.logit_bias:
         x[token] += bias
-    text = prompt + before
+    text, allowed = prompt + before, x.copy()
     for word in sp.bad_words_ids:
         head = list(word[:-1])
         if not head or (len(text) >= len(head) and text[len(text) - len(head):] == head):
@@ -36,6 +36,8 @@ def reference_adjusted(logits: np.ndarray, sp: SamplingParams, prompt: list[int]
     if len(before) < sp.min_tokens:
         for token in set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos)):
             x[token] = -math.inf
+    if np.isneginf(x).all():  # bad words and min_tokens ban nothing where they would ban every token
+        x = allowed
     counts = Counter(before)
     for token in range(len(x)):
         if sp.repetition_penalty != 1 and (token in prompt or counts[token]):  # Hugging Face's
@@ -65,6 +67,7 @@ PENALISED = [
     ("presence_penalty", 2.5), ("presence_penalty", -2.01), ("presence_penalty", math.nan), ("presence_penalty", "1"),
     ("frequency_penalty", 3), ("frequency_penalty", math.inf), ("frequency_penalty", True),
     ("repetition_penalty", 0), ("repetition_penalty", -1.0), ("repetition_penalty", math.inf),
+    ("repetition_penalty", 0.0099), ("repetition_penalty", 1e-300), ("repetition_penalty", 100.5),
     ("logit_bias", {3: 100.5}), ("logit_bias", {3: -101}), ("logit_bias", {"3": 1.0}), ("logit_bias", {-1: 1.0}),
     ("logit_bias", {3: math.nan}), ("logit_bias", [(3, 1.0), (3, 2.0)]), ("logit_bias", 5),
     ("bad_words_ids", [[]]), ("bad_words_ids", [[-1]]), ("bad_words_ids", [1, 2]), ("bad_words_ids", [["a"]]),
@@ -77,6 +80,7 @@ def test_bad_values_are_field_errors_naming_the_field(field, value):
 
 
 def test_limits_are_inclusive_and_forms_are_normalised():
+    assert SamplingParams(repetition_penalty=100).repetition_penalty == 100
     sp = SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.01,
                         logit_bias={7: 100, 2: -100.0}, bad_words_ids=[[1, 2], [3]], min_tokens=128)
     assert sp.logit_bias == ((2, -100.0), (7, 100)) and sp.bad_words_ids == ((1, 2), (3,))
@@ -93,7 +97,9 @@ def test_min_tokens_cannot_come_with_a_constraint_and_ids_must_be_in_the_vocabul
     assert err.value.field == "min_tokens"
     assert SamplingParams(logit_bias={V - 1: 1.0}, bad_words_ids=[[0, V - 1]]).vocabulary_errors(V) is None
     for params, field in ((SamplingParams(logit_bias={V: 1.0}), "logit_bias"),
-                          (SamplingParams(bad_words_ids=[[1, V + 3]]), "bad_words_ids")):
+                          (SamplingParams(bad_words_ids=[[1, V + 3]]), "bad_words_ids"),
+                          # min_tokens would index the logits with it
+                          (SamplingParams(stop_token_ids=[2, V], min_tokens=1), "stop_token_ids")):
         err = params.vocabulary_errors(V)
         assert err.field == field and f"[0, {V})" in str(err)
 
@@ -151,6 +157,40 @@ def test_min_tokens_masks_the_stop_tokens_until_the_output_is_long_enough():
     ignoring = SamplingParams(temperature=1.0, min_tokens=3, stop_token_ids=[4], ignore_eos=True)
     p = processed_probs(logits, [ignoring], [History([0], [], (EOS,), [2, 3, 5])])[0]
     assert (p[:3, 4] == 0).all() and (p[:, EOS] > 0).all()  # EOS stops nothing under ignore_eos
+
+
+@pytest.mark.parametrize("sp, held", [
+    # Every token a stop token under min_tokens: nothing banned before the 3rd output token either.
+    (SamplingParams(temperature=0.9, min_tokens=3, stop_token_ids=list(range(V)), max_tokens=6), {}),
+    (SamplingParams(temperature=0, min_tokens=3, stop_token_ids=list(range(V)), max_tokens=6), {}),
+    # Every token completes a word after a 3 (positions 1 and 3): there the words ban nothing.
+    (SamplingParams(temperature=1.0, bad_words_ids=[[3, t] for t in range(V)], repetition_penalty=0.01, top_k=4),
+     {}),
+    # Words ban the even tokens, min_tokens the odd ones until the output has 5: both hold at
+    # position 4 only, where the odd ones are free again.
+    (SamplingParams(temperature=0.7, bad_words_ids=[[t] for t in range(0, V, 2)], min_tokens=5,
+                    stop_token_ids=list(range(1, V, 2)), logit_bias={4: -100}), {4: range(0, V, 2)}),
+])
+def test_a_position_whose_bans_cover_every_token_keeps_its_logits(sp, held):
+    """Bad words and min_tokens that would ban every token the constraint leaves (here every
+    token; the constraint's mask shows as a -inf logit) ban nothing at that position, so p there
+    is a distribution (before: NaN, a sampled token drawn from no mass, NaN logprobs); where they
+    leave a token they ban as always (``held``: position -> banned tokens), and a verify chain's
+    position keeps a plain step's bits."""
+    rng = np.random.default_rng(5)
+    logits = torch.from_numpy(rng.normal(0, 2, size=(1, 5, V)).astype(np.float32))
+    logits[0, :, 7] = -math.inf  # the constraint's mask on one token keeps it out either way
+    prompt, output, chain = [1, 3], [2], [3, 5, 3, 0]
+    history = History(prompt, output, (EOS,), chain)
+    p = processed_probs(logits, [sp], [history])[0]
+    assert torch.isfinite(p).all() and torch.allclose(p.sum(dim=-1), torch.ones(5)) and (p[:, 7] == 0).all()
+    chained = processed_logprobs(logits, [sp], [history])[0]
+    for i in range(5):
+        want = reference_adjusted(logits[0, i].numpy(), sp, prompt, output + chain[:i])
+        assert np.allclose(p[i].numpy(), reference_probs(want, sp), atol=1e-6), i
+        alone = processed_logprobs(logits[:, i], [sp], [History(prompt, output + chain[:i], (EOS,))])[0]
+        assert torch.equal(chained[i], alone), i
+        assert set(np.flatnonzero(np.isneginf(want))) == {7, *held.get(i, ())}, i  # what the reference bans
 
 
 def test_a_bad_word_is_banned_only_where_the_text_ends_with_its_other_tokens():

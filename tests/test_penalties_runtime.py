@@ -2,8 +2,9 @@
 in this process): greedy output equals plain greedy decoding with the same settings (``ar``) in sd
 and ssd on every path (hits, both backups, plain rounds), on the torch
 and the ggml executors, bit for bit; min_tokens keeps a model going past the stop token it emits
-early; a seeded sampled request gives one output twice and in sd and ssd; token ids outside the
-vocabulary are refused at admission, naming the field."""
+early; a seeded sampled request gives one output twice and in sd and ssd; bans that would leave
+no token ban nothing there; token ids outside the vocabulary are refused at admission, naming the
+field."""
 
 from __future__ import annotations
 
@@ -123,11 +124,30 @@ def test_a_seeded_sampled_request_with_penalties_repeats_in_sd_and_ssd(torch_pai
     assert outputs[0] == outputs[1]
 
 
+def test_bans_that_cover_every_token_ban_nothing_there_on_every_path(torch_pair):
+    """Words [a, t] for every token t ban everything after an a: there they ban nothing (before:
+    greedy took token 0 from all -inf logits and sampling a NaN distribution), so greedy output
+    is plain greedy decoding in ar, sd and ssd; a request whose every token is a stop token
+    under min_tokens ends at its first, sampled or not."""
+    plain, _ = _generate(torch_pair, "ar", PROMPTS, SamplingParams(temperature=0, max_tokens=LENGTH, ignore_eos=True))
+    params = [SamplingParams(temperature=0, max_tokens=LENGTH, ignore_eos=True,
+                             bad_words_ids=[[out[3], t] for t in range(64)]) for out in plain]
+    for mode, options, pattern in [("ar", {}, None), *PATHS.values()]:
+        got, _ = _generate(torch_pair, mode, PROMPTS, params, pattern, **options)
+        assert got == plain, mode
+    every = [SamplingParams(temperature=t, seed=3, max_tokens=8, min_tokens=4, stop_token_ids=list(range(64)))
+             for t in (0, 1.0)]
+    for mode in ("ar", "ssd"):
+        outs, _ = _generate(torch_pair, mode, PROMPTS[:2], every)
+        assert [len(o) for o in outs] == [1, 1], mode
+
+
 def test_token_ids_outside_the_vocabulary_are_refused_at_admission(torch_pair):
     target, draft = torch_pair
     with LLM(target=target, draft=draft, mode="ar", launch="local", max_seq_len=64) as llm:
         for params, field in ((SamplingParams(logit_bias={64: 1.0}), "logit_bias"),
-                              (SamplingParams(bad_words_ids=[[3, 70]]), "bad_words_ids")):
+                              (SamplingParams(bad_words_ids=[[3, 70]]), "bad_words_ids"),
+                              (SamplingParams(stop_token_ids=[64], min_tokens=1), "stop_token_ids")):
             with pytest.raises(FieldError, match=r"\[0, 64\)") as err:
                 llm.generate([PROMPTS[0]], params)
             assert err.value.field == field

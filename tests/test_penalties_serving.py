@@ -6,6 +6,8 @@ ggml engine in sd mode (exact rows: sd's greedy output is ar's), its draft in th
 
 from __future__ import annotations
 
+import json
+import math
 import re
 
 import httpx
@@ -106,13 +108,20 @@ def test_min_tokens_keeps_a_short_chat_answer_going(served):
 @pytest.mark.parametrize("path, body, param, message", [
     ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty", r"'presence_penalty' must be a number in \[-2, 2\]"),
     ("/v1/chat/completions", {"frequency_penalty": -3}, "frequency_penalty", r"'frequency_penalty' must be a number"),
-    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty", "'repetition_penalty' must be a number > 0"),
+    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty", r"'repetition_penalty' must be a number in \[0.01, 100\]"),
     ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias", "'logit_bias.5': Input should be less than or equal"),
     ("/v1/chat/completions", {"logit_bias": {"five": 1}}, "logit_bias", "'logit_bias' keys must be token ids"),
     ("/v1/completions", {"logit_bias": {"-5": 1}}, "logit_bias", "'logit_bias' keys must be token ids"),
     ("/v1/completions", {"logit_bias": {str(t): 1 for t in range(1025)}}, "logit_bias", "at most 1024 token ids"),
     ("/v1/completions", {"logit_bias": {"49152": 1}}, "logit_bias", r"token ids must be in \[0, 49152\)"),
     ("/v1/chat/completions", {"logit_bias": {"3": 1, "99999": -1}}, "logit_bias", r"\[0, 49152\).*99999"),
+    ("/v1/completions", {"repetition_penalty": 0.001}, "repetition_penalty", r"must be a number in \[0.01, 100\]"),
+    ("/v1/chat/completions", {"repetition_penalty": 1e5}, "repetition_penalty", r"must be a number in \[0.01, 100\]"),
+    ("/v1/completions", {"logit_bias": {"7": 1, "007": -1}}, "logit_bias", "names token 7 more than once"),
+    ("/v1/completions", {"logit_bias": {"9" * 5000: 1}}, "logit_bias", "'logit_bias' keys must be token ids"),
+    # min_tokens holds stop tokens back by indexing the logits with them: an id past them is refused.
+    ("/v1/completions", {"stop_token_ids": [49152], "min_tokens": 1}, "stop_token_ids", r"\[0, 49152\)"),
+    ("/v1/chat/completions", {"stop_token_ids": [10**6]}, "stop_token_ids", r"\[0, 49152\)"),
     ("/v1/completions", {"min_tokens": 5, "max_tokens": 4}, "min_tokens", r"min_tokens must be an int in \[0, max"),
     ("/v1/completions", {"min_tokens": -1}, "min_tokens", "'min_tokens' must be an integer >= 0"),
 ])
@@ -131,3 +140,38 @@ def test_the_openai_client_gets_the_400_with_its_param(served):
     with pytest.raises(openai.BadRequestError) as err:
         _client(served).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, logit_bias={"60000": -100})
     assert err.value.body["param"] == "logit_bias"
+
+
+def _strict_json(text: str):
+    """JSON as the standard defines it: NaN and Infinity, which Python's parser reads, refused."""
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_whose_every_token_is_banned_and_minus_inf_logprobs_are_clean_json(served, stream):
+    """Every token a stop token under min_tokens: the first position bans nothing (it would ban
+    everything), so the answer is one stop token with a finite logprob (before: NaN, a 500 or a
+    stream of non-JSON, sampling from no mass). An echoed prompt token outside top-k has logprob
+    -inf, sent as vLLM's -9999.0. The server is healthy after both."""
+    with httpx.Client(base_url=served.url, timeout=120) as client:
+        for temperature in (0, 1.0):
+            r = client.post("/v1/completions", json={
+                "model": MODEL, "prompt": PROMPT, "max_tokens": 4, "min_tokens": 2, "temperature": temperature,
+                "stop_token_ids": list(range(49152)), "logprobs": 1, "return_token_ids": True, "stream": stream})
+            assert r.status_code == 200, r.text
+            bodies = [_strict_json(line[6:]) for line in r.text.splitlines()
+                      if line.startswith("data: {")] if stream else [_strict_json(r.text)]
+            choices = [c for body in bodies for c in body["choices"]]
+            assert sum(len(c["token_ids"]) for c in choices) == 1 and choices[-1]["finish_reason"] == "stop"
+            assert all(math.isfinite(v) for c in choices if c["logprobs"] for v in c["logprobs"]["token_logprobs"])
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "top_k": 1,
+                                                 "echo": True, "logprobs": 1, "stream": stream})
+        assert r.status_code == 200, r.text
+        bodies = [_strict_json(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")] if stream else [_strict_json(r.text)]
+        scored = [v for body in bodies for c in body["choices"] if c["logprobs"] for v in c["logprobs"]["token_logprobs"]]
+        assert scored[0] is None and min(scored[1:]) == -9999.0  # the echoed prompt's, then the token's
+        assert client.get("/health").json()["status"] == "ok"

@@ -50,7 +50,7 @@ def test_vllm_sampling_parameters_keys_set_them_too():
 
 @pytest.mark.parametrize("values, match", [
     ({"presence_penalty": 2.5}, r"SamplingParams.presence_penalty must be a number in [-2, 2]"),
-    ({"repetition_penalty": 0.0}, r"SamplingParams.repetition_penalty must be a finite number > 0"),
+    ({"repetition_penalty": 0.0}, r"SamplingParams.repetition_penalty must be a number in [0.01, 100]"),
     ({"min_tokens": 20, "max_tokens": 10}, r"SamplingParams.min_tokens must be an int in [0, max_tokens = 10]"),
     ({"min_tokens": 2, "min_length": 2}, "'min_length' and 'min_tokens' set the same thing"),
     ({"embedding_bias": [0.0, -np.inf]}, "'embedding_bias' values (with the embedding_bias_words weights) must be finite"),
@@ -61,6 +61,17 @@ def test_vllm_sampling_parameters_keys_set_them_too():
 def test_bad_values_are_refused_by_name(values, match):
     with pytest.raises(ValueError, match=re.escape(match)):
         _params(**values)
+
+
+def test_submit_errors_name_the_input_the_client_sent():
+    """The loop's checks at submit name SamplingParams' fields: a client of the Triton model reads
+    the input it sent (a bias outside the vocabulary can only come from embedding_bias)."""
+    from trtssd.sampling import FieldError
+    from trtssd.triton.backend import _named
+
+    assert _named(FieldError("logit_bias", "ids past 49152")) == "'embedding_bias': ids past 49152"
+    assert _named(FieldError("n", "n above max_batch")) == "'num_return_sequences': n above max_batch"
+    assert _named(FieldError("max_tokens", "too long")) == "too long"
 
 
 def test_words_need_a_tokenizer():
@@ -116,5 +127,5 @@ def test_a_bias_outside_the_vocabulary_is_an_error_and_the_server_stays_ready(se
     bias = np.zeros(reference.vocab + 3, dtype=np.float32)
     bias[-1] = 1.0
     responses = grpc_stream(server, text_input=PROMPT, max_tokens=2, embedding_bias=bias)
-    assert "logit_bias token ids must be in [0," in str(responses[-1])
+    assert "'embedding_bias': SamplingParams.logit_bias token ids must be in [0," in str(responses[-1])
     assert len(_greedy(server)) == LENGTH

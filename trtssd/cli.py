@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2], OpenAI's (0 = off)")
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2], OpenAI's (0 = off)")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0, Hugging Face's (1 = off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="in [0.01, 100], Hugging Face's (1 = off)")
     g.add_argument("--min-tokens", type=int, default=0, help="no end-of-sequence token before this many tokens")
     _add_launch_option(g)
     g.add_argument("--json", action="store_true", help="print text, token ids and metrics as JSON")

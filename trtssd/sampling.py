@@ -40,6 +40,9 @@ MAX_N = 128
 # float32's range (5e-324 rounds to 0): NaN, not sampling. 0 asks for greedy.
 MIN_TEMPERATURE = 1e-6
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI's range)
+# repetition_penalty lies in [1/100, 100]: dividing a logit by a smaller one (or multiplying by a
+# larger one) overflows float32 to +-inf after temperature, and +inf logits make p NaN.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-100, 100] (OpenAI's range)
 
 
@@ -75,6 +78,8 @@ class SamplingParams:
        with the word's other tokens (always, for a one-token word);
     4. ``min_tokens``: EOS (unless ``ignore_eos``) and ``stop_token_ids`` at -inf while the output
        before the position is shorter than ``min_tokens``;
+       a position where steps 3 and 4 together would ban every token the constraint allows keeps
+       the logits of step 2 (so there is always a token to sample: never a NaN distribution);
     5. ``repetition_penalty`` (Hugging Face's) on every token of the prompt and the output so far:
        a logit x > 0 becomes x / r, any other x * r;
     6. ``frequency_penalty`` * count and ``presence_penalty`` * [count > 0] subtracted, count being
@@ -106,7 +111,7 @@ class SamplingParams:
     # Steps 2-6 of the processing order; each default is "off".
     presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from each token the output holds
     frequency_penalty: float = 0.0  # in [-2, 2]: subtracted once per occurrence in the output
-    repetition_penalty: float = 1.0  # > 0: on the tokens of the prompt and output; 1 = off
+    repetition_penalty: float = 1.0  # in [0.01, 100]: on the tokens of the prompt and output; 1 = off
     # (token id, bias in [-100, 100]) pairs added to the logits, by id; a {id: bias} mapping is
     # accepted. Ids must lie in the vocabulary (checked at admission, where it is known).
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -175,8 +180,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_real(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
                 _fail(name, f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off)", value)
-        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
-            _fail("repetition_penalty", "a finite number > 0 (1 = off)", self.repetition_penalty)
+        if not _is_real(self.repetition_penalty) or not (
+                MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            _fail("repetition_penalty", f"a number in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] "
+                                        "(1 = off)", self.repetition_penalty)
         bias = self.logit_bias
         if not (isinstance(bias, tuple) and all(isinstance(e, tuple) and len(e) == 2 and _is_int(e[0]) and e[0] >= 0
                                                 and _is_real(e[1]) for e in bias)):
@@ -223,10 +230,12 @@ class SamplingParams:
                     or self.logit_bias or self.bad_words_ids or self.min_tokens)
 
     def vocabulary_errors(self, vocab_size: int) -> FieldError | None:
-        """The first token id of logit_bias or bad_words_ids outside [0, vocab_size), as the error
-        admission raises; None when all lie inside."""
+        """The first token id of logit_bias, bad_words_ids or stop_token_ids outside [0,
+        vocab_size), as the error admission raises; None when all lie inside. (A stop token id
+        past the vocabulary would index past the logits where min_tokens holds stop tokens back.)"""
         for field, ids in (("logit_bias", [t for t, _ in self.logit_bias]),
-                           ("bad_words_ids", [t for w in self.bad_words_ids for t in w])):
+                           ("bad_words_ids", [t for w in self.bad_words_ids for t in w]),
+                           ("stop_token_ids", list(self.stop_token_ids))):
             bad = sorted({t for t in ids if t >= vocab_size})
             if bad:
                 return FieldError(field, f"SamplingParams.{field} token ids must be in [0, {vocab_size}) (the "
@@ -365,10 +374,7 @@ def _adjusted_row(x: torch.Tensor, params: SamplingParams, history: History) -> 
     n, vocab = x.shape
     if params.logit_bias:
         x = x + _bias_vector(params.logit_bias, vocab, str(x.device))
-    if params.bad_words_ids:
-        x = x.masked_fill(_bad_word_mask(params.bad_words_ids, history, n, vocab, x.device), -math.inf)
-    if params.min_tokens:
-        x = x.masked_fill(_held_back_mask(params, history, n, vocab, x.device), -math.inf)
+    x = _banned(x, params, history)
     penalty = params.repetition_penalty
     if penalty != 1 or params.frequency_penalty or params.presence_penalty:
         prompt_counts, output_counts = _counts(history, n, vocab, x.device)
@@ -380,6 +386,23 @@ def _adjusted_row(x: torch.Tensor, params: SamplingParams, history: History) -> 
         if params.presence_penalty:
             x = x - params.presence_penalty * (output_counts > 0).float()
     return x
+
+
+def _banned(x: torch.Tensor, params: SamplingParams, history: History) -> torch.Tensor:
+    """Steps 3 and 4 on logits [n, V]: bad words' and held-back stop tokens at -inf, except at a
+    position where that would leave no token (the words and stop tokens cover all the constraint
+    allows): there it keeps ``x`` as it was, so p always has mass. Per position, so a verify chain
+    keeps a plain step's bits."""
+    n, vocab = x.shape
+    ban = torch.zeros(n, vocab, dtype=torch.bool, device=x.device)
+    if params.bad_words_ids:
+        ban |= _bad_word_mask(params.bad_words_ids, history, n, vocab, x.device)
+    if params.min_tokens:
+        ban |= _held_back_mask(params, history, n, vocab, x.device)
+    if not bool(ban.any()):
+        return x
+    nothing_left = (ban | (x == -math.inf)).all(dim=-1, keepdim=True)
+    return x.masked_fill(ban & ~nothing_left, -math.inf)
 
 
 def _counts(history: History, n: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:

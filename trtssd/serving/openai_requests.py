@@ -19,7 +19,8 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 from pydantic import BaseModel, Field, model_validator
 
 from trtssd.models.tokenizer import chat_prompt_ids, encode_text
-from trtssd.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_PENALTY, MIN_TEMPERATURE, SamplingParams
+from trtssd.sampling import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_PENALTY, MAX_REPETITION_PENALTY,
+                             MIN_REPETITION_PENALTY, MIN_TEMPERATURE, SamplingParams)
 from trtssd.serving.openai_body import ApiError, Body, ErrorInfo, ErrorResponse  # noqa: F401 - re-exported
 from trtssd.serving.openai_structured import Structured, StructuredFields, ToolFields, ToolParsing
 from trtssd.structured.tools import template_tool_calls
@@ -70,7 +71,7 @@ class GenerationRequest:
             return self.max_tokens_param
         if field == "constraint" and self.constraint_param is not None:
             return self.constraint_param
-        if field in ("n", "logit_bias"):  # n above the server's running batch; a token id outside the vocabulary
+        if field in ("n", "logit_bias", "stop_token_ids"):  # n above the running batch; an id outside the vocabulary
             return field
         return "messages" if self.endpoint is Endpoint.CHAT else "prompt"
 
@@ -159,8 +160,9 @@ class _Common(StructuredFields):
         0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, description=f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]: the "
         "logit of each token the output holds so far lowered by this; 0 = off")
     repetition_penalty: Optional[float] = Field(
-        1.0, gt=0, description="a number > 0 (vLLM's): the logits of the prompt's and output's tokens divided by it "
-        "where positive, multiplied where not; 1 = off")
+        1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY, description=f"a number in "
+        f"[{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (vLLM's): the logits of the prompt's and output's "
+        "tokens divided by it where positive, multiplied where not; 1 = off")
     logit_bias: Optional[dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]]] = Field(
         None, max_length=MAX_LOGIT_BIAS_ENTRIES, description=f"an object of at most {MAX_LOGIT_BIAS_ENTRIES} token ids "
         f"(as strings) to biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], added to those tokens' logits")
@@ -208,11 +210,19 @@ class _Common(StructuredFields):
     def logit_bias_ids(self) -> dict[int, float]:
         """logit_bias by token id (a JSON object's keys are strings); whether each id is in the
         vocabulary is the engine's check at submit."""
-        bad = [key for key in self.logit_bias or {} if not (key.isascii() and key.isdigit())]
+        given = self.logit_bias or {}
+        bad = [key for key in given if _token_id(key) is None]
         if bad:
             raise ApiError(400, f"'logit_bias' keys must be token ids (integers >= 0 written as strings); got "
                                 f"{_show(bad[:5])}", "logit_bias")
-        return {int(key): bias for key, bias in (self.logit_bias or {}).items()}
+        ids: dict[int, float] = {}
+        for key, bias in given.items():
+            token = _token_id(key)
+            if token in ids:  # "7" and "07": one token given two biases
+                raise ApiError(400, f"'logit_bias' names token {token} more than once (key {key!r}); give each "
+                                    "token id one bias", "logit_bias")
+            ids[token] = bias
+        return ids
 
 
 class CompletionRequest(_Common):
@@ -304,6 +314,17 @@ class ChatCompletionRequest(_Common, ToolFields):
                 raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
             return None
         return self.top_logprobs or 0
+
+
+def _token_id(key: str) -> int | None:
+    """A logit_bias key as a token id: ASCII digits only (no sign, space or point); None otherwise,
+    and for more digits than Python converts (any such id lies outside every vocabulary anyway)."""
+    if not (key.isascii() and key.isdigit()):
+        return None
+    try:
+        return int(key)
+    except ValueError:  # past sys.get_int_max_str_digits()
+        return None
 
 
 # --- validation errors in OpenAI's shape ----------------------------------------------------------

@@ -18,6 +18,10 @@ the prompt's tokens: the first one's logprob and top_logprobs null, as OpenAI an
 of a completion and at the top of a chat completion. A stream sends the echoed prompt (and the
 prompt's logprobs) in a chunk of its own before the first tokens'.
 
+A token the processed distribution gives no mass (an echoed prompt token outside top-k, or one
+that min_tokens holds back) has logprob -inf, which JSON cannot carry: it is sent as
+`MIN_LOGPROB` (-9999.0, vLLM's value for it).
+
 A request for ``n`` samples gets ``n`` choices, ``index`` 0..n-1, each built as a one-sample answer
 is (its own text offsets and tool calls); a stream's chunks carry their choice's ``index``, each
 choice's role chunk (chat) and echoed prompt coming before its first tokens and its finish reason
@@ -38,6 +42,7 @@ from trtssd.serving.openai_requests import Endpoint, GenerationRequest
 from trtssd.structured.tools import ToolCall, ToolStreamParser, parse_tool_calls
 
 DONE = "data: [DONE]\n\n"
+MIN_LOGPROB = -9999.0  # a logprob of -inf as sent (JSON has no infinity; vLLM sends this value)
 
 
 def sse(payload: dict) -> str:
@@ -207,15 +212,15 @@ class Responder:
         tokens = [self._token_text(t) for t, _ in items]
         offsets = list(itertools.accumulate(map(len, tokens), initial=self._offsets.get(index, 0)))
         self._offsets[index] = offsets.pop()
-        return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for _, e in items],
+        return {"tokens": tokens, "token_logprobs": [None if e is None else _sent(e.logprob) for _, e in items],
                 "top_logprobs": [None if e is None else
-                                 {**{self._token_text(t): lp for t, lp in e.top[:num_top]}, text: e.logprob}
+                                 {**{self._token_text(t): lp for t, lp in e.top[:num_top]}, text: _sent(e.logprob)}
                                  for (_, e), text in zip(items, tokens)],
                 "text_offset": offsets}
 
     def _chat_item(self, token_id: int, logprob: float) -> dict:
         text = self._token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": _sent(logprob), "bytes": list(text.encode("utf-8"))}
 
     def _add_prompt_logprobs(self, out: dict, entries: Sequence[TokenLogprob | None] | None) -> None:
         """vLLM's prompt_logprobs where the request asked: on a completion's choice, at a chat's top.
@@ -226,7 +231,7 @@ class Responder:
             return
 
         def item(token_id: int, logprob: float, rank: int) -> dict:
-            return {"logprob": logprob, "rank": rank, "decoded_token": self._token_text(token_id)}
+            return {"logprob": _sent(logprob), "rank": rank, "decoded_token": self._token_text(token_id)}
 
         listed: list[dict | None] = []
         for e in entries:
@@ -238,6 +243,11 @@ class Responder:
             listed.append(scored)
         for holder in [out] if self.chat else out["choices"]:
             holder["prompt_logprobs"] = listed
+
+
+def _sent(logprob: float) -> float:
+    """A logprob as JSON carries it: -inf as MIN_LOGPROB (top alternatives never hold -inf)."""
+    return max(logprob, MIN_LOGPROB)
 
 
 def _text_of(pieces) -> str:

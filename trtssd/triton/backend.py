@@ -112,8 +112,7 @@ class TritonModel:
             await self._check_constraint(job)
             stream = self.async_llm.submit(job.prompt_ids, job.params)
         except ValueError as err:  # the loop's own checks: prompt + max_tokens within max_seq_len, n within max_batch
-            named = f"'num_return_sequences': {err}" if getattr(err, "field", None) == "n" else str(err)
-            self._send_error(sender, named, self.pb.TritonError.INVALID_ARG)
+            self._send_error(sender, _named(err), self.pb.TritonError.INVALID_ARG)
             return
         except (Overloaded, LoopStopped) as err:
             self._send_error(sender, str(err), self.pb.TritonError.UNAVAILABLE)
@@ -230,6 +229,18 @@ def _inputs(pb_utils, request) -> dict[str, np.ndarray]:
         if tensor is not None:
             out[spec.name] = np.array(tensor.as_numpy(), copy=True)
     return out
+
+
+# The inputs that set the SamplingParams fields the loop's checks at submit name: n, and
+# logit_bias's token ids, which only embedding_bias can put outside the vocabulary (a word's
+# tokens lie inside it).
+_INPUT_OF_FIELD = {"n": "num_return_sequences", "logit_bias": "embedding_bias"}
+
+
+def _named(err: ValueError) -> str:
+    """A submit error as the client reads it: naming the input it sent where its name differs."""
+    name = _INPUT_OF_FIELD.get(getattr(err, "field", None))
+    return f"'{name}': {err}" if name else str(err)
 
 
 def _values(logprobs) -> list[float]:

@@ -65,7 +65,8 @@ INPUTS = (
     TensorDef("frequency_penalty", "TYPE_FP32", (1,), True,
                "in [-2, 2]: lowers each token's logit by this times its count in the output (OpenAI's); 0 = off"),
     TensorDef("repetition_penalty", "TYPE_FP32", (1,), True,
-               "> 0: divides the positive logits of the prompt's and output's tokens, multiplies the others; 1 = off"),
+               "in [0.01, 100]: divides the positive logits of the prompt's and output's tokens, multiplies the "
+               "others; 1 = off"),
     TensorDef("min_tokens", "TYPE_INT32", (1,), True, "no end-of-sequence or stop token before this many output tokens"),
     TensorDef("min_length", "TYPE_INT32", (1,), True, "min_tokens by TensorRT-LLM's older name"),
     TensorDef("bad_words", "TYPE_STRING", (-1,), True,

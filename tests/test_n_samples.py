@@ -41,6 +41,22 @@ def test_bad_n_is_a_field_error_naming_n(bad):
     assert err.value.field == "n" and f"[1, {MAX_N}]" in str(err.value)
 
 
+@pytest.mark.parametrize("n, best_of, ok", [(None, 1, True), (1, 1, True), (3, None, True), (2, 1, False)])
+def test_best_of_below_n_is_refused_naming_best_of(n, best_of, ok):
+    """OpenAI's and vLLM's rule, best_of >= n: best_of 1 (the only value taken) with n > 1 is a
+    400 naming best_of, not n samples silently."""
+    from trtssd.serving.openai_requests import ApiError, CompletionRequest, ModelInfo
+
+    body = CompletionRequest.model_validate({"prompt": [5, 6, 7], "n": n, "best_of": best_of})
+    model = ModelInfo("m", None, 256)
+    if ok:
+        assert body.to_generation_request(model).params.n == (n or 1)
+        return
+    with pytest.raises(ApiError) as err:
+        body.to_generation_request(model)
+    assert (err.value.status, err.value.param) == (400, "best_of") and "at least 'n' (2)" in err.value.message
+
+
 def test_sample_j_runs_as_a_request_of_its_own_seeded_by_seed_and_j():
     params = SamplingParams(temperature=0.7, seed=11, max_tokens=5, n=4)
     samples = [params.for_sample(j) for j in range(4)]

@@ -179,6 +179,7 @@ class _Common(StructuredFields):
             raise ApiError(404, f"The model `{self.model}` does not exist; this server serves `{model.name}`.", "model")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
+        self.check_combinations()
         structured = self.structured(model.tokenizer)
         prompt = self.prompt_ids(model, structured)
         echoed = self.echoed_prompt(prompt, model)
@@ -206,6 +207,9 @@ class _Common(StructuredFields):
     def echoed_prompt(self, prompt: list[int], model: ModelInfo) -> str | None:
         """The prompt's text when the answer starts with it (a completion's echo), else None."""
         return None
+
+    def check_combinations(self) -> None:
+        """ApiError for fields that each hold an allowed value but not together (a route's own)."""
 
     def logit_bias_ids(self) -> dict[int, float]:
         """logit_bias by token id (a JSON object's keys are strings); whether each id is in the
@@ -245,6 +249,12 @@ class CompletionRequest(_Common):
     best_of: Optional[Literal[1]] = Field(
         None, description="1 or null: best_of (several samples, the best returned) is not supported, as OpenAI's "
         "API no longer has it; 'n' returns several samples")
+
+    def check_combinations(self) -> None:
+        # OpenAI's and vLLM's rule: best_of samples, n of them returned, so best_of >= n.
+        if self.best_of is not None and (self.n or 1) > self.best_of:
+            raise ApiError(400, f"'best_of' ({self.best_of}) must be at least 'n' ({self.n}), and only 1 is supported: "
+                                "leave 'best_of' out to get n samples", "best_of")
 
     def prompt_ids(self, model: ModelInfo, structured: Structured) -> list[int]:
         prompt = self._one_prompt()

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import os
 import threading
+from types import SimpleNamespace
 
 import pytest
 
+from trtssd.backends.base import ExecutorCapabilities
 from trtssd.runtime.affinity import core_lending
 
 
 class _Executor:
+    capabilities = ExecutorCapabilities(max_batch_tokens=64, lends_threads=True)
+
     def __init__(self):
         self.threads = []
 
@@ -55,7 +59,8 @@ def test_plain_rounds_take_the_draft_cores_and_speculative_rounds_give_them_back
 
 def test_no_lending_without_set_threads_or_draft_cores():
     target, draft = _cores()
-    assert core_lending(object(), target, 1, draft, 1) is None  # a torch executor does not lend
+    torch_like = SimpleNamespace(capabilities=ExecutorCapabilities(max_batch_tokens=64))
+    assert core_lending(torch_like, target, 1, draft, 1) is None  # a torch executor does not lend
     assert core_lending(_Executor(), target, 1, None, 1) is None  # one core: nothing to borrow
 
 

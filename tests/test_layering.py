@@ -144,3 +144,31 @@ def test_runtime_imports_nothing_above_it():
         via = reachable(graph, module, stop=_is_above)
         bad += [_chain(via, module, up) for up in sorted(via) if _is_above(up)]
     assert not bad, "the runtime imports code above it:\n" + "\n".join(bad)
+
+
+# Where the runtime may read an attribute by name: a record's own fields (a dataclass walking
+# its fields). Anything else, an executor above all, is asked through its declared contract.
+NAMED_ATTRIBUTE_OWNERS = ("self", "other")
+
+
+def _named_attribute_reads(path: Path) -> list[str]:
+    """getattr/hasattr calls of a module whose object is not one of NAMED_ATTRIBUTE_OWNERS, and
+    every ``__getattr__`` it defines."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+            found.append(f"{path.name}:{node.lineno} defines __getattr__")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+              and not (isinstance(node.args[0], ast.Name) and node.args[0].id in NAMED_ATTRIBUTE_OWNERS)):
+            found.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_the_runtime_reads_executors_through_their_contract():
+    """What an executor can do is declared on the protocol (`ExecutorCapabilities`,
+    trtssd/backends/base.py): the runtime never probes attributes, and no executor forwards
+    unknown ones."""
+    found = [hit for path in sorted((PACKAGE / "runtime").glob("*.py")) for hit in _named_attribute_reads(path)]
+    found += [hit for path in sorted((PACKAGE / "backends").glob("*.py")) for hit in _named_attribute_reads(path)
+              if "__getattr__" in hit]
+    assert not found, "attributes read by name in trtssd/runtime:\n" + "\n".join(found)

@@ -6,11 +6,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from types import SimpleNamespace
+
 from token_text import MIXED_TEXT, CountingTokenizer, one_token, token_ids
+from trtssd.backends.base import ExecutorCapabilities
 from trtssd.config import SpeculativeConfig
 from trtssd.runtime.output_processor import OutputText, request_output
 from trtssd.runtime.target_loop import Sequence, TargetLoop
 from trtssd.sampling import SamplingParams
+
+_NO_EXECUTOR = SimpleNamespace(capabilities=ExecutorCapabilities(max_batch_tokens=1))
 
 
 @dataclass
@@ -25,7 +30,7 @@ def _stream(tok, params: SamplingParams, rounds: list[list[int]]) -> Streamed:
     """Emit rounds of tokens as the target's rounds would, each step's output through the output
     processor, and end where a stop string completes, as `LLM` and the server tell the loop."""
     # _emit needs only the EOS ids: no executor, no draft.
-    loop = TargetLoop(None, SpeculativeConfig(mode="ar"), max_batch=1, max_model_len=100_000,
+    loop = TargetLoop(_NO_EXECUTOR, SpeculativeConfig(mode="ar"), max_batch=1, max_model_len=100_000,
                       eos_token_ids=(tok.eos_token_id,))
     seq, text, outputs, deltas = Sequence(0, "r", [1], params, None), OutputText(tok, params.stop), [], []
     for tokens in rounds:
@@ -71,7 +76,7 @@ def test_held_text_is_flushed_when_the_request_ends_otherwise(smollm2):
 
 def test_emit_stops_at_stop_tokens_and_the_processor_at_stop_strings(smollm2):
     F, A, X, B = (one_token(smollm2, c) for c in "FAXB")
-    loop = TargetLoop(None, SpeculativeConfig(mode="ar"), max_batch=1, max_model_len=100)
+    loop = TargetLoop(_NO_EXECUTOR, SpeculativeConfig(mode="ar"), max_batch=1, max_model_len=100)
     seq, outputs = Sequence(0, "r", [1], SamplingParams(max_tokens=3), None), []
     assert loop._emit(seq, [F, A, X, B], outputs) == 3 and seq.finish_reason == "length"
     seq, outputs = Sequence(1, "r", [1], SamplingParams(max_tokens=10, stop_token_ids=(A,)), None), []

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trtssd import LLM, ModelRef, SamplingParams
-from trtssd.backends.base import CapacityError, PromptSplits, chain_chunk
+from trtssd.backends.base import CapacityError, ExecutorCapabilities, PromptSplits, chain_chunk
 from trtssd.runtime import prefix_cache as prefix_cache_module
 from trtssd.runtime.prefix_cache import PrefixCache
 
@@ -67,7 +67,7 @@ def test_ggml_prompt_split_where_allowed_equals_one_prefill_bit_for_bit(length):
     whole = _prefill(ex, 0, prompt, 0)
     after = ex.forward([chain_chunk(0, [5, 6, 7], length)])[0]
     ex.release(0)
-    splits = [at for at in range(1, length) if ex.prompt_splits.allows(at, length)]
+    splits = [at for at in range(1, length) if ex.capabilities.prompt_splits.allows(at, length)]
     assert splits
     for i, at in enumerate(sorted({splits[0], splits[len(splits) // 2], splits[-1]}), start=1):
         ex.add_sequence(i)
@@ -173,7 +173,7 @@ def test_ggml_prefix_saved_out_of_the_cache_and_loaded_back_equals_one_prefill_b
 class _Rows:
     """An executor's sequence bookkeeping alone (what PrefixCache calls), recording shares."""
 
-    prompt_splits = PromptSplits()
+    capabilities = ExecutorCapabilities(max_batch_tokens=256, shares_prefix=True)
 
     def __init__(self, max_seqs: int):
         self.max_seqs, self.live, self.shares, self.committed = max_seqs, set(), [], {}
@@ -232,6 +232,8 @@ def test_least_recently_used_goes_first_and_a_full_executor_evicts_instead_of_re
 class _SavingRows(_Rows):
     """An executor that copies a finished prompt out (llama.cpp's host-memory prompt cache)."""
 
+    capabilities = ExecutorCapabilities(max_batch_tokens=256, shares_prefix=True, saves_prefix=True)
+
     def __init__(self, max_seqs: int):
         super().__init__(max_seqs)
         self.loads = []
@@ -285,6 +287,8 @@ def test_a_hash_collision_is_a_miss_never_a_wrong_prefix(monkeypatch):
 
 def test_an_executor_without_share_prefix_caches_nothing():
     class NoShare:
+        capabilities = ExecutorCapabilities(max_batch_tokens=256)  # shares_prefix False
+
         def __init__(self):
             self.live = set()
 
@@ -363,7 +367,7 @@ def test_only_executors_whose_split_prefill_keeps_the_bits_give_seeded_requests_
     assert not PrefixCache(rows, 4).reuse_keeps_bits(seeded)
     assert PrefixCache(rows, 4).reuse_keeps_bits(SamplingParams(temperature=0.7))
     assert PrefixCache(rows, 4).reuse_keeps_bits(SamplingParams(temperature=0, seed=1))
-    rows.prompt_splits = TiledPromptSplits(7)
+    rows.capabilities = dataclasses.replace(rows.capabilities, prompt_splits=TiledPromptSplits(7))
     assert PrefixCache(rows, 4).reuse_keeps_bits(seeded)
 
 

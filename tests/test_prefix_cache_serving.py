@@ -38,7 +38,7 @@ def server():
     with LLM(mode="ssd", max_batch=4, max_seq_len=1200, fanout=(2, 1, 1, 1, 1, 1), prefix_cache_seqs=1,
              plain_under_load=False) as llm:
         with BackgroundServer(OpenAIServer(llm, MODEL)) as bg:
-            bg.splits = llm.loop.target.prompt_splits
+            bg.splits = llm.loop.target.capabilities.prompt_splits
             yield bg
 
 

@@ -67,7 +67,7 @@ def _expected(splits: PromptSplits, prompts: list[list[int]]) -> list[int]:
 
 
 def _draft_splits(llm: LLM) -> PromptSplits:
-    return llm.loop.draft.server.worker.executor.prompt_splits
+    return llm.loop.draft.server.worker.executor.capabilities.prompt_splits
 
 
 def _run(engine: str, options: dict) -> dict:
@@ -82,7 +82,7 @@ def _run(engine: str, options: dict) -> dict:
 
     with LLM(engine, launch="local", **options) as llm:
         _chats(answer)
-        splits = (llm.loop.target.prompt_splits, _draft_splits(llm) if llm.loop.draft is not None else None)
+        splits = (llm.loop.target.capabilities.prompt_splits, _draft_splits(llm) if llm.loop.draft is not None else None)
     return {"prompts": [o.prompt_token_ids for o in outs], "outputs": [o.token_ids for o in outs],
             "cached": [o.num_cached_tokens for o in outs], "splits": splits,
             "draft_cached": [o.speculation.draft_cached_tokens for o in outs],
@@ -149,7 +149,7 @@ def _serve_chats(engine: str, options: dict) -> tuple[dict[str, float], list[int
         turns = _chats(answer)
         after = _counters(bg.url)
         prompts = [chat_prompt_ids(llm.tokenizer, messages) for messages in turns]
-        expected = (_expected(llm.loop.target.prompt_splits, prompts),
+        expected = (_expected(llm.loop.target.capabilities.prompt_splits, prompts),
                     _expected(_draft_splits(llm), prompts) if llm.loop.draft is not None else None)
     assert [u.prompt_tokens for u in usage] == [len(p) for p in prompts]
     increase = {n: after[n] - before[n] for n in COUNTERS}

@@ -14,8 +14,9 @@ per token and are independent of the storage slot.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence, TypeVar
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -76,6 +77,13 @@ class Chunk:
     prompt: bool = False
 
 
+def chunk_on_host(c: Chunk) -> Chunk:
+    """A chunk with its tensors on the host, so any process can unpickle it."""
+    moved = {f.name: getattr(c, f.name).cpu() for f in dataclasses.fields(c)
+             if isinstance(getattr(c, f.name), torch.Tensor) and getattr(c, f.name).device.type != "cpu"}
+    return dataclasses.replace(c, **moved) if moved else c
+
+
 def chain_chunk(
     seq_id: int, tokens: Sequence[int] | torch.Tensor, start: int, last_logits_only: bool = False
 ) -> Chunk:
@@ -87,11 +95,31 @@ def chain_chunk(
     return Chunk(seq_id, tokens, idx, idx, mask, last_logits_only)
 
 
+@dataclass(frozen=True)
+class ExecutorCapabilities:
+    """What an executor can do beyond the calls every executor has, declared in one place: the
+    runtime reads these, never an executor's attributes, to decide what it may ask of it."""
+
+    max_batch_tokens: int  # most tokens one forward takes (chunked prefill groups prompts under it)
+    # Where a prompt's prefill may be split in two forwards and still give one forward's KV and
+    # logits (chunked prefill, the end of a cached prefix).
+    prompt_splits: PromptSplits = field(default_factory=PromptSplits)
+    shares_prefix: bool = False  # `share_prefix`: the prefix cache may reuse a prompt's KV
+    # `save_prefix` / `load_prefix`: a kept prompt's KV waits in host memory, not as a sequence
+    # (llama.cpp attends over every cell of its cache in each forward).
+    saves_prefix: bool = False
+    lends_threads: bool = False  # `set_threads`: plain rounds may borrow the draft's cores
+
+
 class Executor(Protocol):
     """What a model backend must provide (see module docstring for the KV contract)."""
 
     vocab_size: int
     max_seq_len: int  # longest sequence (prompt + output + region) one slot can hold
+    capabilities: ExecutorCapabilities
+    # Seconds of cache upkeep paid inside forwards so far (a ggml compaction); 0 where there is none.
+    # Load control takes it out of a round's time.
+    upkeep_s: float
 
     def add_sequence(self, seq_id: int) -> None:
         """Reserve KV storage for a new sequence; raises CapacityError when none is free."""
@@ -113,7 +141,23 @@ class Executor(Protocol):
     def share_prefix(self, src_seq_id: int, dst_seq_id: int, n_tokens: int) -> None:
         """Give the new sequence ``dst_seq_id`` (nothing written yet) the first ``n_tokens``
         committed tokens of ``src_seq_id`` as its committed prefix: the prefix cache's reuse of a
-        prompt's KV. Optional: an executor without it gets no prefix caching."""
+        prompt's KV. Called only where ``capabilities.shares_prefix``."""
+
+    def save_prefix(self, seq_id: int, n_tokens: int) -> object:
+        """A copy of the first ``n_tokens`` committed tokens' KV of ``seq_id``, outside the
+        executor (the sequence may then be released). Called only where ``capabilities.saves_prefix``."""
+
+    def load_prefix(self, seq_id: int, saved: object, n_tokens: int) -> None:
+        """Lay the first ``n_tokens`` of a `save_prefix` copy into the new sequence ``seq_id`` as
+        its committed prefix. Called only where ``capabilities.saves_prefix``."""
+
+    def set_threads(self, threads: int, split_single_rows: bool = False) -> None:
+        """Run the coming forwards on ``threads`` threads (trtssd/runtime/core_lending.py). Called
+        only where ``capabilities.lends_threads``."""
+
+    def cost_identity(self) -> dict[str, Any]:
+        """What this executor's forward costs depend on besides the machine (the model's shape,
+        how it runs, its sizes), as JSON-ready values: the key of a stored calibration."""
 
     def spare_rows(self, tokens: int) -> int:
         """Tokens a forward of ``tokens`` tokens could carry besides them at no extra cost: a

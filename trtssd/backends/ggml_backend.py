@@ -71,14 +71,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import gguf
 import numpy as np
 import torch
 
-from trtssd.backends.base import (CapacityError, Chunk, PromptSplits, check_chunk, check_share, chunk_sequences,
-                                  find_sequence)
+from trtssd.backends.base import (CapacityError, Chunk, ExecutorCapabilities, PromptSplits, check_chunk, check_share,
+                                  chunk_sequences, find_sequence)
 
 log = logging.getLogger(__name__)
 
@@ -259,6 +259,8 @@ class GgmlExecutor:
         self.row_invariant = row_invariant
         self.piece = widest_exact_piece(self.path) if row_invariant else None
         self.prompt_splits = TiledPromptSplits(self.piece) if row_invariant else PromptSplits()
+        self.capabilities = ExecutorCapabilities(max_batch_tokens, self.prompt_splits, shares_prefix=True,
+                                                 saves_prefix=True, lends_threads=True)
         self._n_cells = cparams.n_ctx
         # Two lanes nobody attends to: the trash holds freed cells until a compaction, the filler
         # the tokens that pad the cache up to a prompt's aligned cell.
@@ -287,6 +289,13 @@ class GgmlExecutor:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+    def cost_identity(self) -> dict[str, Any]:
+        """The GGUF file (its weights' types run llama.cpp's kernels for them) and the sizes."""
+        stat = self.path.stat()
+        return {"executor": type(self).__name__, "model": str(self.path.resolve()), "bytes": stat.st_size,
+                "row_invariant": self.row_invariant, "max_seq_len": self.max_seq_len,
+                "max_batch_tokens": self.max_batch_tokens}
 
     def set_threads(self, threads: int, split_single_rows: bool = False) -> None:
         """Threads for the next forwards (plain rounds borrow the draft's cores). A one-token

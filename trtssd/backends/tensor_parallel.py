@@ -19,7 +19,6 @@ gets its own ``device`` and calls ``torch.cuda.set_device`` before the first col
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Sequence
@@ -27,7 +26,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from trtssd.backends.base import Chunk
+from trtssd.backends.base import Chunk, chunk_on_host
 from trtssd.backends.torch_backend import SUPPORTED_DTYPES, TorchExecutor
 from trtssd.models.config import ModelConfig
 from trtssd.models.loader import gguf_config, is_gguf, load_config, load_state_dict, read_gguf
@@ -84,13 +83,8 @@ def broadcast_chunks(
     if dist.get_rank() == src:
         if chunks is None:
             raise ValueError("the source rank must pass the chunks")
-        payload = [[_on_host(c) for c in chunks]]
+        payload = [[chunk_on_host(c) for c in chunks]]
     else:
         payload = [None]
     dist.broadcast_object_list(payload, src=src, group=group, device=device)
     return list(payload[0])
-
-
-def _on_host(c: Chunk) -> Chunk:
-    return dataclasses.replace(c, **{f.name: getattr(c, f.name).cpu() for f in dataclasses.fields(c)
-                                     if isinstance(getattr(c, f.name), torch.Tensor)})

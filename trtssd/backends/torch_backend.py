@@ -11,16 +11,17 @@ default: the runtime's sampling, verification and Saguaro math runs there).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import psutil
 import torch
 
-from trtssd.backends.base import (CapacityError, Chunk, PromptSplits, check_chunk, check_share, chunk_sequences,
-                                  find_sequence)
+from trtssd.backends.base import (CapacityError, Chunk, ExecutorCapabilities, PromptSplits, check_chunk, check_share,
+                                  chunk_sequences, find_sequence)
 from trtssd.models.config import ModelConfig
 from trtssd.models.llama import AttentionBatch, Linear, LlamaModel
 from trtssd.models.loader import load_model
@@ -152,6 +153,10 @@ class TorchExecutor:
         self.device = model.device
         self.dtype = model.dtype
         self.logits_device = torch.device(logits_device)
+        # Prompts split anywhere: a prefill split in two matches one forward to fp32 rounding
+        # (measured up to 6e-5 in a logit on the default engine), as a verify row matches a plain step's.
+        self.capabilities = ExecutorCapabilities(max_batch_tokens, PromptSplits(), shares_prefix=True)
+        self.upkeep_s = 0.0  # no cache upkeep: the KV pool is preallocated rows
         if pack_linears:
             model.pack_linears(keep_plain=plain_weights)
         weights = _module_weight_bytes(model)
@@ -247,10 +252,6 @@ class TorchExecutor:
             )
         seq.committed += n_tokens
 
-    # Anywhere: a prefill split in two matches one forward to fp32 rounding (measured up to 6e-5
-    # in a logit on the default engine), as a verify row matches a plain step's.
-    prompt_splits = PromptSplits()
-
     def share_prefix(self, src_seq_id: int, dst_seq_id: int, n_tokens: int) -> None:
         """Copy the source's first ``n_tokens`` KV slots into the new sequence's row."""
         src, dst = self._seq(src_seq_id), self._seq(dst_seq_id)
@@ -290,6 +291,23 @@ class TorchExecutor:
 
     def _seq(self, seq_id: int) -> _Sequence:
         return find_sequence(self._seqs, seq_id)
+
+    def cost_identity(self) -> dict[str, Any]:
+        """The model's shape and how it runs: dtype, device, each projection's class and the
+        tensors it holds (int4, int8, packed or plain weights: which kernel runs it), the compiled
+        layers; and the sizes."""
+        fused = self.model.fused_layers
+        return {
+            "executor": type(self).__name__,
+            "accelerator": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None,
+            "config": dataclasses.asdict(self.config),
+            "dtype": str(self.dtype),
+            "device": str(self.device),
+            "max_seq_len": self.max_seq_len,
+            "max_batch_tokens": self.max_batch_tokens,
+            "projections": [[name, type(module).__name__, _held_tensors(module)] for name, module in self.model.linears()],
+            "fused_layers": None if fused is None else [type(fused).__name__, fused.kind, fused.max_tokens],
+        }
 
     # -- forward -----------------------------------------------------------------------------
 
@@ -331,3 +349,11 @@ class TorchExecutor:
             seq.written = max(seq.written, end)
         sizes = [1 if c.last_logits_only else n for c, n in zip(chunks, lens)]
         return list(logits.split(sizes))
+
+
+def _held_tensors(module) -> list[str]:
+    held = [n for n, v in module.named_parameters(recurse=False) if v is not None]
+    held += [n for n, v in module.named_buffers(recurse=False) if v is not None]
+    held += [n for n, v in vars(module).items() if isinstance(v, (torch.Tensor, torch.ScriptObject))
+             or dataclasses.is_dataclass(v)]
+    return sorted(set(held))

@@ -6,9 +6,11 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import torch
+
+from trtssd.backends.base import Executor
 
 T = TypeVar("T")
 
@@ -68,7 +70,7 @@ class CoreLending:
     count for multi-token forwards lend (the ggml executor: trtssd/backends/ggml_backend.py says
     what a one-token forward on several threads changes)."""
 
-    executor: Any  # has set_threads(n, split_single_rows)
+    executor: Executor  # one whose capabilities lend threads
     own: tuple[tuple[int, ...] | None, int]  # (cores, threads) of speculative rounds
     lent: tuple[tuple[int, ...] | None, int]  # (cores, threads) of plain rounds
     split_single_rows: bool = False  # RuntimeConfig.lend_draft_cores "always"
@@ -114,12 +116,12 @@ def on_own_thread(fn: Callable[[], T]) -> T:
     return value
 
 
-def core_lending(executor: Any, target_cores: Sequence[int] | None, target_threads: int,
+def core_lending(executor: Executor, target_cores: Sequence[int] | None, target_threads: int,
                  draft_cores: Sequence[int] | None, draft_threads: int,
                  split_single_rows: bool = False) -> CoreLending | None:
-    """The lending for a target executor, or None when it cannot lend (no set_threads, or no
-    cores of the draft's own to borrow)."""
-    if not hasattr(executor, "set_threads") or not target_cores or not draft_cores:
+    """The lending for a target executor, or None when it cannot lend (its capabilities say so,
+    or the draft has no cores of its own to borrow)."""
+    if not executor.capabilities.lends_threads or not target_cores or not draft_cores:
         return None
     lent = tuple(sorted(set(target_cores) | set(draft_cores)))
     return CoreLending(executor, (tuple(target_cores), target_threads), (lent, target_threads + draft_threads),

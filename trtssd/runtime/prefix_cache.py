@@ -62,8 +62,8 @@ class PrefixCache:
         if not isinstance(max_kept, int) or max_kept < 0:
             raise ValueError(f"prefix_cache_seqs must be a non-negative int; got {max_kept!r}")
         self.executor = executor
-        self.max_kept = max_kept if hasattr(executor, "share_prefix") else 0
-        self.splits: PromptSplits = getattr(executor, "prompt_splits", PromptSplits())
+        self.max_kept = max_kept if executor.capabilities.shares_prefix else 0
+        self.splits: PromptSplits = executor.capabilities.prompt_splits
         self._holders: dict[int, _Holder] = {}  # seq_id -> its indexed prompt (running or kept)
         self._by_hash: dict[int, dict[int, None]] = {}  # block hash -> holders (insertion-ordered)
         self._kept: OrderedDict[int, None] = OrderedDict()  # finished holders, least recently used first
@@ -113,7 +113,7 @@ class PrefixCache:
         if holder is None:
             self.executor.release(seq_id)
             return
-        if hasattr(self.executor, "save_prefix"):
+        if self.executor.capabilities.saves_prefix:
             holder.saved = self.executor.save_prefix(seq_id, len(holder.hashes) * self.splits.block)
             self.executor.release(seq_id)
         self._kept[seq_id] = None

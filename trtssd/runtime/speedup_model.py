@@ -314,7 +314,7 @@ def time_tree_steps(executor: Executor, k: int, max_branches: int = 64, context:
 def _timing_sizes(executor: Executor, most: int, context: int, slots) -> tuple[int, list[int]]:
     """The context and the sizes 1, 2, 4, ... (up to ``most``) whose forward fits the executor's
     token budget and whose ``slots(size)`` region slots fit its sequences after the context."""
-    limit = getattr(executor, "max_batch_tokens", None) or executor.max_seq_len
+    limit = executor.capabilities.max_batch_tokens
     context = max(1, min(context, limit, executor.max_seq_len // 2))
     sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128)
              if n <= min(most, limit) and context + slots(n) <= executor.max_seq_len]
@@ -341,27 +341,15 @@ def calibration_cache_dir() -> Path | None:
 
 def calibration_key_fields(executor: Executor, **settings: Any) -> dict:
     """What the timed costs depend on: the machine (CPU, cores, threads, torch, trtssd), the
-    model's shape and how it runs (dtype, device, each projection's class and the tensors it
-    holds: int4, int8, packed or plain weights; the compiled layers) and the timing settings."""
-    model = getattr(executor, "model", None)
-    config = getattr(executor, "config", None)
-    device = getattr(executor, "device", None)
+    executor's `cost_identity` (the model's shape and how it runs) and the timing settings."""
     return {
         "cpu": _cpu_model(),
         "cpus": os.cpu_count(),
-        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "affinity": len(os.sched_getaffinity(0)),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "trtssd": _trtssd_version(),
-        "accelerator": torch.cuda.get_device_name(device) if getattr(device, "type", None) == "cuda" else None,
-        "executor": type(executor).__name__,
-        "config": dataclasses.asdict(config) if dataclasses.is_dataclass(config) else repr(config),
-        "dtype": str(getattr(executor, "dtype", None)),
-        "device": str(device),
-        "max_seq_len": getattr(executor, "max_seq_len", None),
-        "max_batch_tokens": getattr(executor, "max_batch_tokens", None),
-        "projections": _projection_layouts(model),
-        "fused_layers": _fused_layers(model),
+        **executor.cost_identity(),
         **settings,
     }
 
@@ -442,29 +430,6 @@ def _trtssd_version() -> str:
         return importlib.metadata.version("trtssd")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
-
-
-def _projection_layouts(model) -> list | None:
-    """Each projection's class and the names of the tensors it holds (which kernel runs it)."""
-    linears = getattr(model, "linears", None)
-    if linears is None:
-        return None
-    return [[name, type(module).__name__, _held_tensors(module)] for name, module in linears()]
-
-
-def _held_tensors(module) -> list[str]:
-    held = [n for n, v in module.named_parameters(recurse=False) if v is not None]
-    held += [n for n, v in module.named_buffers(recurse=False) if v is not None]
-    held += [n for n, v in vars(module).items() if isinstance(v, (torch.Tensor, torch.ScriptObject))
-             or dataclasses.is_dataclass(v)]
-    return sorted(set(held))
-
-
-def _fused_layers(model) -> list | None:
-    fused = getattr(model, "fused_layers", None)
-    if fused is None:
-        return None
-    return [type(fused).__name__, getattr(fused, "kind", None), getattr(fused, "max_tokens", None)]
 
 
 # --- workload ------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from typing import Protocol
 
 import torch
 
-from trtssd.backends.base import Executor, PromptSplits, chain_chunk
+from trtssd.backends.base import Executor, chain_chunk
 from trtssd.config import Mode, SpeculativeConfig
 from trtssd.runtime import protocol as P
 from trtssd.runtime.draft_client import DraftClient
@@ -523,7 +523,7 @@ class TargetLoop:
             return length
         if seq.params.prompt_logprobs is not None:
             return length if first else None
-        splits = getattr(self.target, "prompt_splits", PromptSplits())
+        splits = self.target.capabilities.prompt_splits
         end = splits.last_split(start, int(start + left), length)
         if end is None and first:
             end = splits.next_split(start, length)
@@ -615,7 +615,7 @@ class TargetLoop:
 
     def _prefill_groups(self, pieces: list[tuple[Sequence, int]]) -> list[list]:
         """Prompt pieces grouped so no forward exceeds the executor's token budget."""
-        budget = getattr(self.target, "max_batch_tokens", None) or sum(e - s.prefilled for s, e in pieces)
+        budget = self.target.capabilities.max_batch_tokens
         groups, current, size = [], [], 0
         for s, end in pieces:
             n = end - s.prefilled
@@ -779,7 +779,7 @@ class TargetLoop:
 
     def _upkeep_s(self) -> float:
         """The target's cache upkeep so far (a ggml compaction: GgmlExecutor.upkeep_s)."""
-        return getattr(self.target, "upkeep_s", 0.0)
+        return self.target.upkeep_s
 
     def _round_s(self, t0: float, upkeep0: float) -> float:
         """A round's seconds for load control, less cache upkeep paid within it: one compaction

@@ -45,7 +45,6 @@ A lost draft is unaffected: the loop degrades to ar on the whole target group, a
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -59,7 +58,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 import torch.distributed as dist
 
-from trtssd.backends.base import CapacityError, Chunk
+from trtssd.backends.base import CapacityError, Chunk, chunk_on_host
 from trtssd.backends.tensor_parallel import load_tensor_parallel_executor
 from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.config import ModelRef, RuntimeConfig
@@ -134,7 +133,10 @@ class Mirror:
     shutdown: bool = False
 
 
-MIRRORED_CALLS = ("add_sequence", "release", "commit", "share_prefix", "copy_slots")
+# The bookkeeping calls a follower makes after rank 0, by the name a `Mirror` carries.
+MIRRORED_CALLS = {"add_sequence": TorchExecutor.add_sequence, "release": TorchExecutor.release,
+                  "commit": TorchExecutor.commit, "share_prefix": TorchExecutor.share_prefix,
+                  "copy_slots": TorchExecutor.copy_slots}
 REQUEST_ERRORS = (ValueError, CapacityError)  # raised by a forward's checks, before any collective
 
 
@@ -244,17 +246,20 @@ class TensorParallelExecutor:
         self._pending: list[tuple[str, tuple]] = []
         self.failure: str | None = None  # why the group was lost; None while it runs
         self._closed = False
+        # What the runtime reads of an executor is the shard's: every rank's KV rows are its shard's,
+        # so prompts split by the same rule as at T = 1; it shares prefixes (mirrored), it neither
+        # saves them nor lends threads (the shard, a TorchExecutor, declares so).
+        self.vocab_size, self.max_seq_len = shard.vocab_size, shard.max_seq_len
+        self.capabilities = shard.capabilities
+        self.upkeep_s = 0.0
 
-    # What the runtime reads of an executor is the shard's: its local config names its share of
-    # heads, so a stored calibration of T = 1 is never taken for this one, and every rank's KV rows
-    # are its shard's, so prompts split by the same rule as at T = 1 (prompt_splits).
-    _SHARD_READS = ("vocab_size", "max_seq_len", "max_batch_tokens", "max_seqs", "config", "model", "device",
-                    "dtype", "prompt_splits", "committed")
+    def cost_identity(self) -> dict:
+        """The shard's: its local config names its share of heads, so a stored calibration of
+        T = 1 is never taken for this one."""
+        return {**self.shard.cost_identity(), "executor": type(self).__name__}
 
-    def __getattr__(self, name: str):
-        if name in TensorParallelExecutor._SHARD_READS:
-            return getattr(self.shard, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    def committed(self, seq_id: int) -> int:
+        return self.shard.committed(seq_id)
 
     @property
     def follower_pids(self) -> list[int]:
@@ -288,7 +293,7 @@ class TensorParallelExecutor:
     def _mirrored(self, method: str, *args) -> None:
         """A bookkeeping call on rank 0's shard, queued for the followers once it succeeded."""
         self._check_alive()
-        getattr(self.shard, method)(*args)
+        MIRRORED_CALLS[method](self.shard, *args)
         self._pending.append((method, args))
 
     def forward(self, chunks: Sequence[Chunk]) -> list[torch.Tensor]:
@@ -296,7 +301,7 @@ class TensorParallelExecutor:
         if not chunks:
             return []
         committed = tuple(self.shard.committed(c.seq_id) for c in chunks)  # unknown ids: refused here
-        message = Mirror(tuple(self._pending), tuple(_chunk_on_host(c) for c in chunks), committed)
+        message = Mirror(tuple(self._pending), tuple(chunk_on_host(c) for c in chunks), committed)
         self._pending = []
         try:
             send(message, self._control)
@@ -360,13 +365,6 @@ class TensorParallelExecutor:
 
 def _host(t: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(t).detach().to("cpu", torch.long)
-
-
-def _chunk_on_host(c: Chunk) -> Chunk:
-    """Tensors of a chunk on the host, so any rank can unpickle them."""
-    moved = {f.name: getattr(c, f.name).cpu() for f in dataclasses.fields(c)
-             if isinstance(getattr(c, f.name), torch.Tensor) and getattr(c, f.name).device.type != "cpu"}
-    return dataclasses.replace(c, **moved) if moved else c
 
 
 # --- starting the target group --------------------------------------------------------------------

@@ -64,7 +64,7 @@ def _replay(executor: TorchExecutor, control: dist.ProcessGroup) -> None:
                 raise TypeError(f"unexpected call {name!r} from rank 0")
             # Rank 0 made this call successfully on the same state: failing here means the ranks
             # differ, and the exception ends this rank (rank 0 then loses the group).
-            getattr(executor, name)(*args)
+            tp.MIRRORED_CALLS[name](executor, *args)
         if message.chunks is not None:
             mine = tuple(executor.committed(c.seq_id) for c in message.chunks)
             if mine != message.committed:

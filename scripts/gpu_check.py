@@ -456,7 +456,7 @@ def run_mode(models: dict, prompts: list, mode: str, launch: str, max_tokens: in
             t = time.perf_counter()
             outs.append(llm.generate([prompt], params)[0])
             seconds += time.perf_counter() - t
-        row["draft_alive_at_end"] = llm.draft_alive if mode != "ar" else None
+        row["draft_alive_at_end"] = llm.draft_state == "alive" if mode != "ar" else None
     tokens = sum(len(o.token_ids) for o in outs)
     row.update(tokens=tokens, seconds=round(seconds, 3), tok_s=round(tokens / seconds, 2), **_aggregate(outs))
     log.info("%-3s launch=%s transport=%s: %.1f tok/s, acceptance %.2f, hit rate %.2f", mode, launch,

@@ -39,3 +39,14 @@ def smollm2():
     from trtssd.models.tokenizer import load_tokenizer
 
     return load_tokenizer(default_engine())
+
+
+@pytest.fixture
+def queue():
+    """Queue a request on a `TargetLoop` as `LLM` does (new_sequence, then add); returns its seq_id."""
+    def add(loop, prompt, params) -> int:
+        seq = loop.new_sequence(list(prompt), params)
+        loop.add(seq)
+        return seq.seq_id
+
+    return add

@@ -161,7 +161,7 @@ def simulate(chain: Chain, groups: list[Group], seed: int, verify_fn: VerifyFn =
              k_from_history: bool = False) -> list[torch.Tensor]:
     """Speculative decoding of every row until it has K + 1 tokens -> per group [rows, K+1].
     ``k_from_history``: each row verifies a number of proposals chosen from its past outcomes,
-    as K per round chooses from live acceptance (runtime/speculation_length.py)."""
+    as K per round chooses from live acceptance (runtime/k_per_round.py)."""
     g = torch.Generator().manual_seed(seed)
     k = chain.k
     rows = _make_batch(chain, groups)

@@ -30,22 +30,22 @@ def reference(tiny_pair) -> list[list[int]]:
 
 # --- TargetLoop.abort ----------------------------------------------------------------------------
 
-def test_abort_frees_waiting_and_running_requests_on_both_ranks(tiny_pair, reference):
+def test_abort_frees_waiting_and_running_requests_on_both_ranks(tiny_pair, reference, queue):
     with _llm(tiny_pair, max_batch=2) as llm:
         loop, worker = llm.loop, llm.loop.draft.server.worker
-        ids = [loop.add_request(p, SamplingParams(temperature=0, max_tokens=60)) for p in PROMPTS[:3]]
+        ids = [queue(loop, p, SamplingParams(temperature=0, max_tokens=60)) for p in PROMPTS[:3]]
         loop.step()  # admits two (prefill), the third waits
         loop.step()  # one speculative round
-        assert [s.seq_id for s in loop.running] == ids[:2] and [s.seq_id for s in loop.waiting] == ids[2:]
+        assert [s.seq_id for s in loop.scheduler.running] == ids[:2] and [s.seq_id for s in loop.scheduler.waiting] == ids[2:]
         waiting = loop.abort(ids[2])
-        assert waiting.finish_reason == "abort" and not loop.waiting
+        assert waiting.finish_reason == "abort" and not loop.scheduler.waiting
         running = loop.abort(ids[0])
-        assert running.finish_reason == "abort" and running.output and [s.seq_id for s in loop.running] == ids[1:2]
+        assert running.finish_reason == "abort" and running.output and [s.seq_id for s in loop.scheduler.running] == ids[1:2]
         assert loop.abort(ids[0]) is None and loop.abort(999) is None
         loop.step()  # the next round tells the draft
         assert ids[0] not in worker.seqs and ids[0] not in worker.cache
         # Its target row is free again: two new requests fit beside the one still running.
-        more = [loop.add_request(p, GREEDY) for p in PROMPTS[3:5]]
+        more = [queue(loop, p, GREEDY) for p in PROMPTS[3:5]]
         loop.abort(ids[1])
         while loop.has_unfinished():
             loop.step()
@@ -53,10 +53,10 @@ def test_abort_frees_waiting_and_running_requests_on_both_ranks(tiny_pair, refer
         assert not worker.seqs  # nothing left anywhere: the last Release went out when idle
 
 
-def test_abort_when_nothing_else_runs_releases_the_draft_at_once(tiny_pair):
+def test_abort_when_nothing_else_runs_releases_the_draft_at_once(tiny_pair, queue):
     with _llm(tiny_pair) as llm:
         loop = llm.loop
-        seq_id = loop.add_request(PROMPTS[0], GREEDY)
+        seq_id = queue(loop, PROMPTS[0], GREEDY)
         loop.step()
         loop.step()
         assert seq_id in loop.draft.server.worker.seqs
@@ -110,7 +110,7 @@ def test_an_aborted_stream_ends_with_abort_and_frees_its_rows(tiny_pair):
         final = asyncio.run(main())
         served.shutdown()
         assert final.finish_reason == "abort" and 3 <= final.completion_tokens < 200
-        assert not llm.loop.running and not llm.loop.draft.server.worker.seqs
+        assert not llm.loop.scheduler.running and not llm.loop.draft.server.worker.seqs
 
 
 def test_a_full_queue_is_refused_as_overloaded(tiny_pair):

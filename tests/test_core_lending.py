@@ -1,4 +1,4 @@
-"""Plain rounds borrow the draft's cores (trtssd.runtime.affinity.CoreLending): the thread that
+"""Plain rounds borrow the draft's cores (trtssd.runtime.core_lending.CoreLending): the thread that
 runs the forwards is pinned to both ranks' cores and the executor told the summed threads, and
 speculative rounds give them back."""
 
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from trtssd.backends.base import ExecutorCapabilities
-from trtssd.runtime.affinity import core_lending
+from trtssd.runtime.core_lending import core_lending
 
 
 class _Executor:
@@ -65,10 +65,10 @@ def test_no_lending_without_set_threads_or_draft_cores():
 
 
 def test_a_timing_run_on_its_own_thread_leaves_the_callers_cores_and_lending_alone():
-    """Calibration's timed plain forwards run on a thread of their own (TargetLoop._plain_forecast):
+    """Calibration's timed plain forwards run on a thread of their own (round_policy.calibrate_target):
     the constructing thread keeps its cores (llama.cpp's OpenMP workers start with their thread's
     cores), its errors come back, and the next round applies its cores again."""
-    from trtssd.runtime.affinity import on_own_thread
+    from trtssd.runtime.core_lending import on_own_thread
 
     target, draft = _cores()
     before = os.sched_getaffinity(0)

@@ -310,7 +310,7 @@ def test_a_lone_plain_row_verifies_an_ngram_guess_in_its_filler_row(tmp_path, mo
         ar = llm.generate([prompt], params)[0].token_ids
         assert llm.metrics.summary()["spare_row_guesses"] == 0  # ar rounds are the reference
     with LLM(str(engine), mode="sd", max_batch=2, max_seq_len=512) as llm:
-        monkeypatch.setattr(llm.loop, "_speculate_now", lambda: False)  # load control: plain rounds
+        monkeypatch.setattr(llm.loop.policy, "speculate", lambda rows: False)  # load control: plain rounds
         out = llm.generate([prompt], params)[0]
         summary = llm.metrics.summary()
     assert out.token_ids == ar

@@ -121,8 +121,8 @@ def test_samples_the_draft_learns_of_late_take_the_prompt_there_too(tiny_llm):
     with tiny_llm(mode="ssd", max_batch=4, k=3, plain_under_load=False, prefix_cache_seqs=0) as llm:
         loop = llm.loop
         rounds = iter([False] * 3)
-        loop._speculate_now = lambda: next(rounds, True)
-        loop._draft_prefills_now = lambda batch: False
+        loop.policy.speculate = lambda rows: next(rounds, True)
+        loop.policy.draft_prefills_now = lambda batch: False
         _one_prefill(llm, 3)
 
 

@@ -6,16 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from types import SimpleNamespace
-
 from token_text import MIXED_TEXT, CountingTokenizer, one_token, token_ids
-from trtssd.backends.base import ExecutorCapabilities
-from trtssd.config import SpeculativeConfig
 from trtssd.runtime.output_processor import OutputText, request_output
-from trtssd.runtime.target_loop import Sequence, TargetLoop
+from trtssd.runtime.sequence import Sequence
 from trtssd.sampling import SamplingParams
-
-_NO_EXECUTOR = SimpleNamespace(capabilities=ExecutorCapabilities(max_batch_tokens=1))
 
 
 @dataclass
@@ -29,13 +23,10 @@ class Streamed:
 def _stream(tok, params: SamplingParams, rounds: list[list[int]]) -> Streamed:
     """Emit rounds of tokens as the target's rounds would, each step's output through the output
     processor, and end where a stop string completes, as `LLM` and the server tell the loop."""
-    # _emit needs only the EOS ids: no executor, no draft.
-    loop = TargetLoop(_NO_EXECUTOR, SpeculativeConfig(mode="ar"), max_batch=1, max_model_len=100_000,
-                      eos_token_ids=(tok.eos_token_id,))
-    seq, text, outputs, deltas = Sequence(0, "r", [1], params, None), OutputText(tok, params.stop), [], []
+    seq = Sequence(0, "r", [1], params, None, eos_token_ids=(tok.eos_token_id,))
+    text, deltas = OutputText(tok, params.stop), []
     for tokens in rounds:
-        loop._emit(seq, tokens, outputs)
-        deltas.append(text.add(outputs[-1]))
+        deltas.append(text.add(seq.emit(tokens)))
         if text.stop_at is not None or seq.finish_reason:
             break
     if text.stop_at is not None:
@@ -74,17 +65,22 @@ def test_held_text_is_flushed_when_the_request_ends_otherwise(smollm2):
     assert got.text == smollm2.decode(part) and got.text.endswith("\ufffd")
 
 
+def _kept(seq: Sequence, tokens: list[int], outputs: list) -> int:
+    """Emit ``tokens`` as a round would; how many the sequence kept."""
+    outputs.append(seq.emit(tokens))
+    return len(outputs[-1].new_token_ids)
+
+
 def test_emit_stops_at_stop_tokens_and_the_processor_at_stop_strings(smollm2):
     F, A, X, B = (one_token(smollm2, c) for c in "FAXB")
-    loop = TargetLoop(_NO_EXECUTOR, SpeculativeConfig(mode="ar"), max_batch=1, max_model_len=100)
     seq, outputs = Sequence(0, "r", [1], SamplingParams(max_tokens=3), None), []
-    assert loop._emit(seq, [F, A, X, B], outputs) == 3 and seq.finish_reason == "length"
+    assert _kept(seq, [F, A, X, B], outputs) == 3 and seq.finish_reason == "length"
     seq, outputs = Sequence(1, "r", [1], SamplingParams(max_tokens=10, stop_token_ids=(A,)), None), []
-    assert loop._emit(seq, [F, A, X], outputs) == 2 and seq.finish_reason == "stop"
+    assert _kept(seq, [F, A, X], outputs) == 2 and seq.finish_reason == "stop"
     # The loop knows no stop strings: the processor cuts the delta at the token completing one.
     seq, outputs = Sequence(2, "r", [1], SamplingParams(max_tokens=10, stop=("AX",)), None), []
     text = OutputText(smollm2, ("AX",))
-    assert loop._emit(seq, [F, A], outputs) == 2 and loop._emit(seq, [X, B, B], outputs) == 3
+    assert _kept(seq, [F, A], outputs) == 2 and _kept(seq, [X, B, B], outputs) == 3
     assert text.add(outputs[0]).stop_at is None
     delta = text.add(outputs[1])
     assert delta.token_ids == (X,) and delta.stop_at == 3 and text.text == "F"

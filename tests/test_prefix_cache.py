@@ -1,4 +1,4 @@
-"""Prefix caching and chunked prefill (trtssd/runtime/prefix_cache.py, TargetLoop._prefill): a
+"""Prefix caching and chunked prefill (trtssd/runtime/prefix_cache.py, trtssd/runtime/scheduler.py): a
 prompt split where the executor allows it writes one prefill's KV (bit for bit on llama.cpp), the
 cache finds the longest cached prefix, never a wrong one, and evicts least recently used without
 losing a request; outputs with the cache and with chunks equal outputs without, on both ranks."""

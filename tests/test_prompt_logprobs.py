@@ -75,14 +75,14 @@ def test_prompt_logprobs_match_offline_and_change_no_output(tiny, mode):
 
 
 @pytest.mark.parametrize("mode", ["ar", "ssd"])
-def test_max_tokens_zero_finishes_at_admission_and_frees_its_rows(tiny, mode):
+def test_max_tokens_zero_finishes_at_admission_and_frees_its_rows(tiny, mode, queue):
     with _llm(tiny, mode, max_batch=2) as llm:
         loop = llm.loop
-        seq = loop.add_request([1, 2, 3, 4], SamplingParams(max_tokens=0))
+        seq = queue(loop, [1, 2, 3, 4], SamplingParams(max_tokens=0))
         outs = loop.step()
         assert [(o.seq_id, o.new_token_ids, o.finished, o.finish_reason) for o in outs] == [(seq, [], True, "length")]
         assert outs[0].prompt_logprobs is None
-        assert not loop.running and not loop.waiting and loop.pop_finished(seq).output == []
+        assert not loop.scheduler.running and not loop.scheduler.waiting and loop.pop_finished(seq).output == []
         with pytest.raises(Exception):
             loop.target.committed(seq)  # its target rows are gone
         if loop.draft is not None:

@@ -202,12 +202,14 @@ def _greedy_by_loop(llm: LLM, engine: Path, mode: Mode) -> tuple[list[list[int]]
     link = None if mode is Mode.AR else start_draft("spawn", ModelRef(str(engine), "draft"), spec, llm.runtime,
                                                     llm.loop.target.vocab_size)
     try:
-        llm.loop.prefix_cache.clear()  # the prompts it keeps hold sequence ids the new loop numbers again
+        llm.loop.scheduler.prefix_cache.clear()  # the prompts it keeps hold sequence ids the new loop numbers again
         loop = TargetLoop(llm.loop.target, spec, len(GREEDY_PROMPTS), llm.max_model_len, draft=link)
-        ids = [loop.add_request(encode_text(llm.tokenizer, p), GREEDY) for p in GREEDY_PROMPTS]
+        seqs = [loop.new_sequence(encode_text(llm.tokenizer, p), GREEDY) for p in GREEDY_PROMPTS]
+        for seq in seqs:
+            loop.add(seq)
         while loop.has_unfinished():
             loop.step()
-        return [list(loop.pop_finished(i).output) for i in ids], loop.metrics.summary()
+        return [list(loop.pop_finished(s.seq_id).output) for s in seqs], loop.metrics.summary()
     finally:
         if link is not None:
             link.close()

@@ -202,10 +202,12 @@ def test_sampled_distribution_matches_ar(tmp_path_factory, mode, backup):
 
 def _start_requests(engine, params: SamplingParams) -> list[int]:
     """Four requests, three steps in: speculating, with most tokens still to come."""
-    ids = [engine.add_request(p, params) for p in PROMPTS[:4]]
+    seqs = [engine.new_sequence(p, params) for p in PROMPTS[:4]]
+    for seq in seqs:
+        engine.add(seq)
     for _ in range(3):
         engine.step()
-    return ids
+    return [seq.seq_id for seq in seqs]
 
 
 def _finish(engine, ids: list[int]) -> list[list[int]]:
@@ -227,11 +229,11 @@ def test_draft_killed_mid_generation_requests_complete_with_ar_output(tiny):
         job = _draft_job(engine.draft.pid)
         try:
             ids = _start_requests(engine, params)
-            assert llm.draft_alive
+            assert llm.draft_state == "alive"
             segments = _draft_segments(engine.draft.pid)
             os.kill(engine.draft.pid, signal.SIGKILL)
             got = _finish(engine, ids)
-            assert not llm.draft_alive
+            assert llm.draft_state != "alive"
             assert llm.metrics.degraded_rounds > 0
             llm.close()
             assert not _running(job)  # mpiexec and hydra_pmi_proxy too
@@ -254,7 +256,7 @@ def test_hung_draft_is_dropped_after_its_timeout(tiny, stopped):
         job = _draft_job(engine.draft.pid)
         try:
             ids = _start_requests(engine, params)
-            assert llm.draft_alive
+            assert llm.draft_state == "alive"
             segments = _draft_segments(engine.draft.pid)
             # Short only now: on a busy 2-core machine a live draft's first answers can take seconds.
             timeout_s = engine.draft.timeout_s = 2.0
@@ -263,7 +265,7 @@ def test_hung_draft_is_dropped_after_its_timeout(tiny, stopped):
             t0 = time.monotonic()
             got = _finish(engine, ids)
             assert time.monotonic() - t0 >= timeout_s  # it waited for the draft, then gave up
-            assert not llm.draft_alive and "within" in engine.draft.failure, engine.draft.failure
+            assert llm.draft_state != "alive" and "within" in engine.draft.failure, engine.draft.failure
             assert llm.metrics.degraded_rounds > 0
             t0 = time.monotonic()
             llm.close()
@@ -291,7 +293,7 @@ def test_draft_error_mid_generation_requests_complete_with_ar_output(tiny):
             t0 = time.monotonic()
             got = _finish(engine, ids)
             assert time.monotonic() - t0 < 30  # reported, not timed out
-            assert not llm.draft_alive
+            assert llm.draft_state != "alive"
             assert "draft rank error: TypeError" in engine.draft.failure, engine.draft.failure
             assert llm.metrics.degraded_rounds > 0
             llm.close()

@@ -22,7 +22,7 @@ from sse_client import add_event, scrape, stream_request, Streamed
 from trtssd import LLM, SamplingParams
 from trtssd.backends.base import chain_chunk
 from trtssd.backends.loading import load_executor
-from trtssd.build import resolve_models
+from trtssd.engines import resolve_models
 from trtssd.sampling import processed_logprobs
 from trtssd.serving.openai_server import OpenAIServer
 from trtssd.serving.uvicorn_runner import BackgroundServer
@@ -318,7 +318,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_rows(served, client):
         assert time.monotonic() < deadline, "the request was not aborted"
         time.sleep(0.05)
     assert scrape(client, "vllm:num_requests_running") == scrape(client, "vllm:num_requests_waiting") == 0
-    assert not llm.loop.running and not llm.loop.waiting
+    assert not llm.loop.scheduler.running and not llm.loop.scheduler.waiting
     assert not llm.loop.draft.server.worker.seqs  # the draft's rows too (nothing else ran: released at once)
     assert scrape(client, "vllm:generation_tokens_total") > 0
 

@@ -27,7 +27,7 @@ def _run(engine, mode: str, cases, params_of, plain_rounds: bool = False, **opti
     """Token ids, texts and finish reasons of ``cases`` generated in one batch, and the metrics."""
     with LLM(str(engine), mode=mode, max_batch=4, max_seq_len=1024, launch="local", **options) as llm:
         if plain_rounds:  # every round plain: the grammar's forced tokens are its only proposals
-            llm.loop._speculate_now = lambda: False
+            llm.loop.policy.speculate = lambda rows: False
         prompts = [_prompt(llm, text, schema) for text, schema in cases]
         outs = llm.generate(prompts, [params_of(schema) for _, schema in cases])
         return [o.token_ids for o in outs], [o.text for o in outs], [o.finish_reason for o in outs], llm.metrics.summary()

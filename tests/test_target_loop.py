@@ -7,6 +7,7 @@ import dataclasses
 import math
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import random
 
@@ -17,10 +18,13 @@ from tiny_models import make_tiny_pair
 from trtssd import LLM, ModelRef, SamplingParams
 from trtssd.backends.base import chain_chunk
 from trtssd.backends.torch_backend import TorchExecutor
-from trtssd.config import Source
+from trtssd.config import Source, SpeculativeConfig
 from trtssd.runtime import draft_worker, speedup_model
 from trtssd.runtime import protocol as P
-from trtssd.runtime.round_choice import RoundChooser, speculation_ceiling
+from trtssd.runtime.draft_worker import DraftWorker
+from trtssd.runtime.load_control import RoundChooser, speculation_ceiling
+from trtssd.runtime.round_policy import calibrate_target
+from trtssd.runtime.target_loop import TargetLoop
 from trtssd.sampling import processed_logprobs, processed_probs
 from trtssd.spec_decode.saguaro import saguaro_probs
 
@@ -57,7 +61,7 @@ def test_joins_and_leaves_keep_greedy_output_and_release_everything(tiny, mode):
         worker = llm.loop.draft.server.worker
         summary = llm.metrics.summary()
         # Finished sequences are released on both sides (the draft's once the next message goes).
-        assert not llm.loop.running and not llm.loop.waiting
+        assert not llm.loop.scheduler.running and not llm.loop.scheduler.waiting
         assert len(worker.seqs) <= 2 and not (set(worker.cache) - set(worker.seqs))
     assert got == ref
     assert summary["degraded_rounds"] == 0
@@ -198,7 +202,7 @@ def test_a_failing_draft_degrades_to_ar_without_losing_a_request(tiny, where):
 
         setattr(worker, where, failing)
         got = [o.token_ids for o in llm.generate(PROMPTS[:3], params)]
-        assert not llm.draft_alive
+        assert llm.draft_state != "alive"
         assert llm.metrics.degraded_rounds > 0
     assert got == ref
 
@@ -216,7 +220,7 @@ def test_a_reply_to_another_round_is_a_lost_draft(tiny):
 
         draft.speculate = stale
         got = llm.generate(PROMPTS[:1], params)[0].token_ids
-        assert not llm.draft_alive and llm.metrics.degraded_rounds > 0
+        assert llm.draft_state != "alive" and llm.metrics.degraded_rounds > 0
     assert got == ref
 
 
@@ -229,7 +233,7 @@ SAMPLED = dict(temperature=0.8, top_p=0.95, max_tokens=40)
 def test_the_largest_seed_works(tiny, mode):
     with _llm(tiny, mode) as llm:
         out = llm.generate([PROMPTS[0]], SamplingParams(seed=2**63 - 1, **SAMPLED))[0]
-        assert llm.draft_alive and llm.metrics.degraded_rounds == 0
+        assert llm.draft_state == "alive" and llm.metrics.degraded_rounds == 0
     assert len(out.token_ids) == SAMPLED["max_tokens"]
 
 
@@ -296,7 +300,7 @@ def test_logprobs_are_the_targets_processed_distribution_on_every_path(tiny, mod
     plain_rounds = mode == "ssd-with-plain-rounds"
     with _llm(tiny, mode.split("-")[0], max_batch=3, plain_under_load=plain_rounds) as llm:
         if plain_rounds:
-            llm.loop.chooser = _Alternate()
+            llm.loop.policy.chooser = _Alternate()
         outs = llm.generate(PROMPTS[:3], params)
     assert outs[2].logprobs is None
     if mode != "ar":
@@ -310,6 +314,26 @@ def test_logprobs_are_the_targets_processed_distribution_on_every_path(tiny, mod
             expected = [(t, v) for t, v in zip(ids.tolist(), values.tolist()) if v != -math.inf]
             assert [t for t, _ in e.top] == [t for t, _ in expected]
             assert all(abs(v - w) < 1e-5 for (_, v), (_, w) in zip(e.top, expected))
+
+
+def test_constructing_a_loop_or_a_draft_worker_times_nothing_and_writes_nothing(tiny, tmp_path, monkeypatch):
+    """Calibration is a step of its own, the launcher's (`round_policy.calibrate_target`,
+    `DraftWorker.calibrate`): a TargetLoop and a DraftWorker constructed with every adaptive
+    option on (load control with the draft's costs, K per round, prefix caching) run no forward
+    and write no file; the calibration step then does both."""
+    cache = tmp_path / "calibration"  # absent: a stored calibration would create it
+    monkeypatch.setenv("TRTSSD_CALIBRATION_CACHE", str(cache))
+    forwards = []
+    executors = [TorchExecutor.from_pretrained(str(path), max_seqs=6, max_seq_len=256) for path in tiny]
+    for ex in executors:
+        monkeypatch.setattr(ex, "forward", lambda chunks, run=ex.forward: forwards.append(len(chunks)) or run(chunks))
+    spec = SpeculativeConfig(mode="ssd", plain_under_load=True, k_per_round=True)
+    draft = SimpleNamespace(alive=True, pid=None, step_s={1: 0.01, 8: 0.05})  # the draft's calibrated forwards
+    TargetLoop(executors[0], spec, max_batch=4, max_model_len=200, draft=draft, prefix_cache_seqs=2)
+    DraftWorker(executors[1], spec, prefix_cache_seqs=2)
+    assert not forwards and not cache.exists()
+    costs = calibrate_target(executors[0], spec, 4, draft.step_s, lending=None)
+    assert forwards and costs.forwards and costs.plain and len(list(cache.iterdir())) == 1
 
 
 # --- load control ----------------------------------------------------------------------------
@@ -603,7 +627,7 @@ def test_a_fresh_engine_whose_stored_costs_rule_speculation_out_never_speculates
         LLM(str(GGML_ENGINE), mode=mode, launch="local", max_batch=3, max_seq_len=256).close()
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     with LLM(str(GGML_ENGINE), mode=mode, launch="local", max_batch=3, max_seq_len=256) as llm:
-        chooser = llm.loop.chooser
+        chooser = llm.loop.policy.chooser
         assert chooser.ceiling(1) < 2 and chooser.plain(1) > 500  # the stored costs
         llm.generate(PROMPTS[:3], dataclasses.replace(params, max_tokens=2))  # a first token, one round
         assert chooser.choice(3) is False  # decided at the first round, before any plain round was measured
@@ -618,11 +642,11 @@ def test_a_fresh_engine_whose_stored_costs_rule_speculation_out_never_speculates
 def test_load_control_gets_its_ceiling_from_both_ranks_costs(tiny):
     with _llm(tiny, "ssd", plain_under_load=True) as llm:
         draft_s = llm.loop.draft.step_s
-        assert draft_s and llm.loop.chooser.ceiling is not None
+        assert draft_s and llm.loop.policy.chooser.ceiling is not None
         k = llm.spec.k
-        assert llm.loop.chooser.ceiling(1) <= (k + 1) / (k * draft_s[1]) * 1.0001
+        assert llm.loop.policy.chooser.ceiling(1) <= (k + 1) / (k * draft_s[1]) * 1.0001
     with _llm(tiny, "ssd", plain_under_load=False) as llm:
-        assert llm.loop.chooser.ceiling is None
+        assert llm.loop.policy.chooser.ceiling is None
 
 
 class _Alternate:
@@ -653,7 +677,7 @@ def test_plain_rounds_chosen_under_load_keep_the_draft_in_step(tiny, mode):
     params = SamplingParams(temperature=0, max_tokens=40)
     ref = _ar(tiny, PROMPTS[:3], params)
     with _llm(tiny, mode, draft=target, k=3, plain_under_load=True, max_batch=3) as llm:
-        llm.loop.chooser = _Alternate()
+        llm.loop.policy.chooser = _Alternate()
         outs = llm.generate(PROMPTS[:3], params)
         s = llm.metrics.summary()
     assert [o.token_ids for o in outs] == ref
@@ -689,7 +713,7 @@ def test_load_control_times_rounds_without_the_caches_upkeep(tiny, pattern):
             return forward(chunks)
 
         target.forward = forward_with_upkeep
-        llm.loop.chooser = recorder = _Recorder(pattern)
+        llm.loop.policy.chooser = recorder = _Recorder(pattern)
         llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
         rounds = [(spec, s) for spec, s in recorder.seen if spec == pattern[0]]
         assert rounds and all(s < 0.5 for _, s in rounds), rounds
@@ -721,7 +745,7 @@ def test_a_draft_that_first_hears_of_a_sequence_after_plain_rounds_keeps_it_exac
     params = SamplingParams(temperature=0, max_tokens=40)
     ref = _ar(tiny, PROMPTS[:3], params)
     with _llm(tiny, mode, draft=target, k=3, plain_under_load=True, max_batch=3) as llm:
-        llm.loop.chooser = _PlainThenSpeculate(plain=7)
+        llm.loop.policy.chooser = _PlainThenSpeculate(plain=7)
         outs = llm.generate(PROMPTS[:3], params)
     assert [o.token_ids for o in outs] == ref
     full = [o.metrics for o in outs]
@@ -735,7 +759,7 @@ def test_where_plain_rounds_are_borrowed_from_a_smaller_batch_the_draft_does_not
     off it (under a stream of arrivals at 4-16 requests that halved serving throughput)."""
     with _llm(tiny, "ssd", plain_under_load=True, max_batch=2) as llm:
         for spec, rate in ((True, 5.0), (False, 9.0)):
-            llm.loop.chooser.observe(spec, 1, int(rate), 1.0)
+            llm.loop.policy.chooser.observe(spec, 1, int(rate), 1.0)
         sent, send = [], llm.loop.draft.send
         llm.loop.draft.send = lambda msg: sent.append(msg) or send(msg)
         outs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=8))
@@ -745,7 +769,7 @@ def test_where_plain_rounds_are_borrowed_from_a_smaller_batch_the_draft_does_not
 
 def test_a_seeded_sampled_request_keeps_the_batch_speculating(tiny):
     with _llm(tiny, "ssd", plain_under_load=True, max_batch=2) as llm:
-        llm.loop.chooser = _Alternate(pattern=(False,))
+        llm.loop.policy.chooser = _Alternate(pattern=(False,))
         seeded, greedy = llm.generate(PROMPTS[:2], [SamplingParams(temperature=0.8, seed=1, max_tokens=20),
                                                     SamplingParams(temperature=0, max_tokens=40)])
         assert seeded.metrics["plain_rounds"] == 0

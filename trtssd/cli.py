@@ -84,8 +84,8 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 def _serve(args: argparse.Namespace) -> int:
     models, options = _models(args), engine_options(args)  # usage errors before the slow imports
-    from trtssd.build import DEFAULT_ENGINE
     from trtssd.llm import LLM
+    from trtssd.models.catalog import DEFAULT_ENGINE
     from trtssd.serving.openai_server import OpenAIServer
     from trtssd.serving.uvicorn_runner import serve_forever
 
@@ -177,6 +177,7 @@ def _build(args: argparse.Namespace) -> int:
             target_dtype=args.target_dtype, draft_dtype=args.draft_dtype,
             plain_weights=False if args.packed_only else None, force=args.force,
             backend="ggml" if args.backend == "ggml" else None,
+            **({} if args.head_top_k is None else {"head_top_k": args.head_top_k}),
         )
     except (FileNotFoundError, SplitFileError) as err:  # said as a usage error, without a traceback
         raise ValueError(str(err)) from err
@@ -233,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what the draft runs as (int4: 4-bit groups from a GGUF's weights, compiled layers; "
                    "int8: int8 projections, fbgemm; default: the named engine's, int4 for a self-draft, "
                    "float32 for a separate draft)")
+    b.add_argument("--head-top-k", type=int, default=None,
+                   help="int4 draft: output rows re-scored in fp32 (0 = pure int4 head; default 16)")
     b.add_argument("--packed-only", action="store_true",
                    help="fp32 linears without their plain copy: half the memory, single rows through oneDNN too")
     b.add_argument("--force", action="store_true", help="rebuild even when up to date")

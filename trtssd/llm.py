@@ -11,20 +11,21 @@ import dataclasses
 import logging
 from typing import Iterator, Sequence
 
-from trtssd.build import resolve_models
 from trtssd.config import Mode, ModelRef, RuntimeConfig, SpeculativeConfig, TargetBackend, speculative_config
 from trtssd.devices import resolve_device
+from trtssd.engines import resolve_models
 from trtssd.models.engine_dir import MANIFEST, engine_speculation
 from trtssd.models.tokenizer import chat_prompt_ids, encode_text, load_tokenizer
-from trtssd.runtime.affinity import core_lending, cores_besides, pin, pin_thread, restore, split_cores
+from trtssd.runtime.core_lending import core_lending, cores_besides, pin, pin_thread, restore, split_cores
 from trtssd.runtime.launch import LAUNCHES, close_target, start_draft, start_target
 from trtssd.runtime.world import end_world_job
 from trtssd.runtime.metrics import SpeculationMetrics
 from trtssd.runtime.output_processor import OutputText, Prompt, RequestOutput, request_output
-from trtssd.runtime.target_loop import TargetLoop, Verifier
+from trtssd.runtime.round_policy import calibrate_target
+from trtssd.runtime.target_loop import TargetLoop
+from trtssd.runtime.verifiers import Verifier
 from trtssd.sampling import FieldError, SamplingParams
 from trtssd.structured.grammar import Grammars
-from trtssd.trtllm.verifier import trtllm_verifier
 
 log = logging.getLogger(__name__)
 
@@ -110,16 +111,21 @@ class LLM:
                    if rt.lend_draft_cores != "never" else None)
         grammars = (Grammars(self.tokenizer, executor.vocab_size, _eos_ids(self.tokenizer))
                     if self.tokenizer is not None else None)
+        # The round policy's calibration: timed forwards (seconds; stored per machine and model).
+        costs = calibrate_target(executor, self.spec, rt.max_batch, link.step_s if link is not None else None, lending,
+                                 executor_verifies=verifier is None)
         return TargetLoop(executor, self.spec, rt.max_batch, rt.max_seq_len, _eos_ids(self.tokenizer), link,
                           verifier, lending, prefix_cache_seqs=rt.prefix_cache_seqs, prefill_chunk=rt.prefill_chunk,
-                          grammars=grammars)
+                          grammars=grammars, costs=costs)
 
     def _verifier(self, vocab_size: int) -> Verifier | None:
         """The target's rounds: None = the torch executor's own (TargetLoop's default)."""
         if self.runtime.target_backend is TargetBackend.TORCH:
             return None
         # Injected from here: the runtime may not import the TensorRT-LLM layer, which sits on
-        # top of it (tests/test_layering.py); tensorrt_llm itself is imported only now.
+        # top of it (tests/test_layering.py); that layer and tensorrt_llm are imported only now.
+        from trtssd.trtllm.verifier import trtllm_verifier
+
         return trtllm_verifier(self.runtime.trtllm_engine_dir, vocab_size, self.runtime.tensor_parallel_size)
 
     # --- requests ----------------------------------------------------------------------------
@@ -155,7 +161,7 @@ class LLM:
             for out in loop.step():
                 self._text(out, texts[out.seq_id])
         for seq in texts:  # one a stop string ended (LLM._text) never reached the loop's finished ones
-            loop.finished.pop(seq, None)
+            loop.pop_finished(seq)
         return [request_output(samples, [texts[s.seq_id] for s in samples], p)
                 for p, samples in zip(prompts, requests)]
 
@@ -180,13 +186,13 @@ class LLM:
                 for piece in (delta.token_texts if per_token else (delta.text,)) if delta else ():
                     if piece:
                         yield piece
-        loop.finished.pop(seq.seq_id, None)
+        loop.pop_finished(seq.seq_id)
 
     def _text(self, out, text: OutputText):
         """One output's text, between steps; a completed stop string ends its sequence now."""
         delta = text.add(out)
         if delta is not None and delta.stop_at is not None:
-            self.loop.stop(out.seq_id, delta.stop_at)
+            self.loop.stop(out.seq_id)
         return delta
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
@@ -226,10 +232,6 @@ class LLM:
     def metrics(self) -> SpeculationMetrics:
         """Aggregate metrics over every finished request."""
         return self.loop.metrics
-
-    @property
-    def draft_alive(self) -> bool:
-        return self.loop.speculating
 
     # --- lifecycle ---------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ class PromptSplits:
     """Where a prompt's prefill may be split in two forwards, its first ``at`` tokens and then the
     rest, and still write the KV and logits of one forward over it all: where a cached prefix may
     end (trtssd/runtime/prefix_cache.py, in whole blocks of ``block`` tokens) and where chunked
-    prefill may cut a prompt (trtssd/runtime/target_loop.py). By default anywhere: an executor
+    prefill may cut a prompt (trtssd/runtime/scheduler.py). By default anywhere: an executor
     whose rows depend on the forward's shape overrides it."""
 
     block = 16  # tokens per cached block (vLLM's default block size)

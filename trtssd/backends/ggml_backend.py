@@ -50,11 +50,11 @@ setting; tests/test_ggml_backend.py checks each, so an upgrade that breaks one f
 - A one-token forward on two or more threads splits a long cache (past 256 cells, where the
   attention's key view reaches 512) across the threads, and its sums change: the pieces above
   never hold a single token, and a forward of one token over a long cache (a plain round of one
-  row that borrows the draft's cores, trtssd.runtime.affinity.CoreLending) gets a filler token
+  row that borrows the draft's cores, trtssd.runtime.core_lending.CoreLending) gets a filler token
   beside it, unless ``set_threads(n, split_single_rows=True)`` asks for llama.cpp's own
   multi-thread decoding, faster and no longer bit-identical to the rows of a verify chain.
   ``spare_rows`` tells the loop where the filler would go: a plain round outside ar mode puts a
-  guess at the next token there instead (trtssd/runtime/target_loop.py, ``_spare_row_guess``). Where
+  guess at the next token there instead (trtssd/runtime/target_loop.py, ``TargetLoop._spare_row_guess``). Where
   only trashed cells make the cache that long (requests came and went), it is compacted instead:
   a copy of the few live cells once, against a whole extra row on every token.
 
@@ -270,7 +270,7 @@ class GgmlExecutor:
         self._trashed = 0
         self._compactions = 0
         # Seconds spent compacting so far: upkeep for every round since the last compaction, paid
-        # within one forward. Load control leaves it out of the rounds it times (target_loop.py).
+        # within one forward. Load control leaves it out of the rounds it times (Executor.upkeep_s).
         self.upkeep_s = 0.0
         self._seqs: dict[int, _Sequence] = {}
         log.info("GgmlExecutor %s: %d threads, %d cells, vocab %d", self.path.name, self.threads,

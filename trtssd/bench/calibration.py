@@ -14,7 +14,7 @@ import torch
 
 from trtssd.backends.base import chain_chunk
 from trtssd.backends.loading import load_executor
-from trtssd.build import resolve_models
+from trtssd.engines import resolve_models
 from trtssd.bench.config import TRTSSD_SYSTEMS
 from trtssd.bench.records import RunResult
 from trtssd.config import ModelRef

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
         return 2
-    # The process's own command line (python -m ..., trtssd bench ..., scripts/bench.py ...).
+    # The process's own command line (python -m ..., trtssd bench ...).
     # Results are written after each system (without plots), then once more in full at the end.
     report = run_benchmark(cfg, shlex.join(sys.argv), lambda so_far: write_report(so_far, cfg.out_dir, plots=False))
     for path in write_report(report, cfg.out_dir, cfg.plots):

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from trtssd.build import resolve_models
+from trtssd.engines import resolve_models
 from trtssd.bench.prompts import BUILTIN_SETS
 from trtssd.bench.records import RunKey
 from trtssd.config import ModelRef, check_device, speculative_config
@@ -15,7 +15,7 @@ from trtssd.models.engine_dir import engine_speculation
 log = logging.getLogger(__name__)
 
 
-# sd and ssd speculate every round; "auto" is ssd under load control (trtssd/runtime/round_choice.py):
+# sd and ssd speculate every round; "auto" is ssd under load control (trtssd/runtime/load_control.py):
 # each round speculates or decodes plainly (on the draft's cores too), whichever measured faster.
 TRTSSD_SYSTEMS = ("ar", "sd", "ssd", "auto")
 HF_SYSTEMS = ("hf-greedy", "hf-assisted")

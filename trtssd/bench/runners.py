@@ -54,7 +54,10 @@ class TrtssdRunner:
                                  ignore_eos=cfg.ignore_eos and c is None, constraint=c,
                                  seed=seed + i if key.temperature > 0 else None) for i, c in enumerate(constraints)]
         start = time.perf_counter()
-        seq_ids = [engine.add_request(list(p), sp) for p, sp in zip(prompts, params)]
+        seqs = [engine.new_sequence(list(p), sp) for p, sp in zip(prompts, params)]
+        for seq in seqs:
+            engine.add(seq)
+        seq_ids = [seq.seq_id for seq in seqs]
         emissions: dict[int, list[tuple[float, int]]] = {s: [(start, 0)] for s in seq_ids}
         while engine.has_unfinished():
             outs = engine.step()

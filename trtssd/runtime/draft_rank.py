@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from trtssd.config import Transport
 from trtssd.devices import resolve_device
 from trtssd.runtime import protocol as P
-from trtssd.runtime.affinity import pin
+from trtssd.runtime.core_lending import pin
 from trtssd.runtime.cuda_ipc import CudaIpcBuffers
 from trtssd.runtime.draft_server import DraftServer, load_worker
 from trtssd.runtime.transport import Channel, Doorbell, RoundBuffers, SharedBuffers, require_mpi

@@ -5,20 +5,21 @@ The target loop emits token ids only, so text never costs the target's cores. `O
 one sample's `StepOutput`s into `Delta`s (a request of ``SamplingParams.n`` samples has one per
 sample, its deltas carrying the sample's ``index``). When a stop string completes, the delta is cut at the
 token that completes it and carries ``stop_at``: the caller tells the loop (`TargetLoop.stop`),
-which ends the sequence there (the draft learns it from the release of its rows). Tokens the loop
-emitted meanwhile are dropped here, so the output still ends exactly at the stop. `LLM` runs this
-between steps; a server runs it on its event loop's thread, beside HTTP, as vLLM's output
-processor does.
+which ends the sequence (the draft learns it from the release of its rows). The output is cut
+here and only here: tokens the loop emitted meanwhile are dropped from the deltas and from the
+record (`request_output`), so the output ends exactly at the stop. `LLM` runs this between
+steps; a server runs it on its event loop's thread, beside HTTP, as vLLM's output processor does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence as Seq
 
 from trtssd.runtime.detokenizer import IncrementalDetokenizer
 from trtssd.runtime.metrics import SpeculationMetrics
-from trtssd.runtime.target_loop import Sequence, StepOutput
+from trtssd.runtime.sequence import Sequence, StepOutput
 from trtssd.sampling import TokenLogprob
 
 Prompt = str | Seq[int]
@@ -147,13 +148,13 @@ def request_output(samples: Seq[Sequence], texts: Seq[OutputText], prompt: Promp
     outputs = tuple(_completion(seq, text) for seq, text in zip(samples, texts))
     seq = samples[0]
     speculation = SpeculationMetrics()
-    for sample in samples:
-        speculation.merge(sample.metrics)
+    for sample, out in zip(samples, outputs):  # each sample's tokens counted up to its cut
+        speculation.merge(dataclasses.replace(sample.metrics, num_generated_tokens=len(out.token_ids)))
     firsts = [s.emit_times[0] for s in samples if s.emit_times]
     return RequestOutput(
         request_id=seq.request_id, prompt=list(seq.prompt) if prompt is None else prompt,
         prompt_token_ids=list(seq.prompt), token_ids=outputs[0].token_ids, text=outputs[0].text,
-        finish_reason=outputs[0].finish_reason, speculation=speculation if len(samples) > 1 else seq.metrics,
+        finish_reason=outputs[0].finish_reason, speculation=speculation,
         ttft_s=min(firsts) - seq.arrival if firsts else None,
         e2e_s=max(s.finish_time for s in samples) - seq.arrival,
         token_gaps_s=tuple(b - a for a, b in zip(seq.emit_times, seq.emit_times[1:])),

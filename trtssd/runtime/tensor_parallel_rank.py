@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.runtime import tensor_parallel as tp
-from trtssd.runtime.affinity import pin
+from trtssd.runtime.core_lending import pin
 from trtssd.runtime.processes import exit_with
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@
   polls, because a blocking MPI receive busy-polls a whole core (on a 2-core machine that is
   the core the other rank computes on). A channel with a `Doorbell` (the draft's) blocks
   instead: the sender rings it after each message, so an idle draft takes no cycles from the
-  cores plain rounds borrow (trtssd/runtime/affinity.py) and wakes within tens of microseconds.
+  cores plain rounds borrow (trtssd/runtime/core_lending.py) and wakes within tens of microseconds.
 - `RoundBuffers`: the bulk rows of a round, in two buffers so the draft can write round t+1 while
   the target still reads round t. Two implementations:
   - `SharedBuffers` (here): shared host memory. Backed by an MPI-3 shared-memory window when
@@ -182,7 +182,7 @@ class Channel:
                     raise PeerLost(f"rank {self.peer} exited")
                 continue
             # A long wait polls less often, since each wake-up takes a slice of a core the other
-            # rank may be using (trtssd/runtime/affinity.py): a message is noticed within a
+            # rank may be using (trtssd/runtime/core_lending.py): a message is noticed within a
             # fiftieth of the wait so far (since the last ring, after one).
             waited_s = now - max(start, self._rung_at)
             time.sleep(min(MAX_POLL_INTERVAL_S, max(self.poll_interval_s, waited_s / 50)))

@@ -20,9 +20,9 @@ import queue
 import threading
 
 from trtssd.llm import LLM
-from trtssd.runtime.affinity import pin_thread
+from trtssd.runtime.core_lending import pin_thread
 from trtssd.runtime.output_processor import Delta, OutputText, RequestOutput, request_output
-from trtssd.runtime.target_loop import Sequence, StepOutput
+from trtssd.runtime.sequence import Sequence, StepOutput
 from trtssd.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class RequestStream:
     def abort(self) -> None:
         if self.final is None:
             for seq_id in self._seq_ids:
-                self._server._command(self._server.loop.abort, seq_id)
+                self._server.abort(seq_id)
 
     # --- from the loop thread ------------------------------------------------------------------
 
@@ -100,7 +100,7 @@ class RequestStream:
         if delta is None:
             return  # past a stop string: the loop is being told
         if delta.stop_at is not None:  # a stop string ended the output: the loop ends the sequence there
-            self._server._command(self._server.loop.stop, out.seq_id, delta.stop_at)
+            self._server.stop(out.seq_id)
         self._items.put_nowait(delta)
 
     def _on_finished(self, seq: Sequence) -> None:
@@ -160,12 +160,12 @@ class AsyncLLM:
 
     @property
     def num_running(self) -> int:
-        return len(self.loop.running)
+        return len(self.loop.scheduler.running)
 
     @property
     def num_waiting(self) -> int:
         """Accepted but not running yet (queued here or in the loop's waiting list)."""
-        return max(0, len(self._streams) - len(self.loop.running))
+        return max(0, len(self._streams) - len(self.loop.scheduler.running))
 
     def submit(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
         """Queue a request (its ``params.n`` samples together); call from a running asyncio event
@@ -177,11 +177,11 @@ class AsyncLLM:
         with self._lock:
             if not self.alive:
                 raise LoopStopped(self.failure or "the serving loop is not running")
-            limit = self.loop.max_batch + self.max_waiting
+            limit = self.loop.scheduler.max_batch + self.max_waiting
             if len(self._streams) + len(samples) > limit:
                 raise Overloaded(f"server overloaded: {len(self._streams)} sequences in flight, the limit is {limit} "
-                                 f"(max_batch {self.loop.max_batch} running + max_waiting {self.max_waiting} "
-                                 f"queued) and this request has {len(samples)}; retry later")
+                                 f"(max_batch {self.loop.scheduler.max_batch} running + max_waiting "
+                                 f"{self.max_waiting} queued) and this request has {len(samples)}; retry later")
             for seq in samples:
                 self._streams[seq.seq_id] = stream
             self._command(self._add, samples)  # one command: the loop admits a request's samples together
@@ -196,6 +196,15 @@ class AsyncLLM:
         if self._started and self._thread.is_alive():
             self._commands.put(None)
             self._thread.join(timeout_s)
+
+    def abort(self, seq_id: int) -> None:
+        """End a request between steps (its client went away); its stream gets the record."""
+        self._command(self.loop.abort, seq_id)
+
+    def stop(self, seq_id: int) -> None:
+        """End a request between steps where a stop string ended its output (the stream's
+        output processor cut it there)."""
+        self._command(self.loop.stop, seq_id)
 
     def _command(self, fn, *args) -> None:
         """Have the loop thread call ``fn(*args)`` between steps (a sequence it returns has ended)."""

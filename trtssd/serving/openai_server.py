@@ -121,7 +121,7 @@ class OpenAIServer:
         constraint = req.params.constraint
         if constraint is None:
             return
-        grammars = self.async_llm.loop.grammars
+        grammars = self.async_llm.loop.scheduler.grammars
         if grammars is None:
             raise ApiError(400, "this model has no tokenizer: constraints cannot be served", req.constraint_param)
         try:

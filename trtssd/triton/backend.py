@@ -129,7 +129,7 @@ class TritonModel:
         """Compile the request's constraint on a worker thread (off this model's event loop and
         the target's cores); cached, so the loop's own check at submit finds it. ValueError
         naming the guide input when the grammar engine refuses it."""
-        grammars = self.async_llm.loop.grammars
+        grammars = self.async_llm.loop.scheduler.grammars
         if job.params.constraint is None or grammars is None:
             return  # without a tokenizer the loop's check refuses it
         try:

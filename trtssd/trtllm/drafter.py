@@ -33,7 +33,7 @@ import types
 from dataclasses import dataclass
 from typing import Sequence
 
-from trtssd.build import resolve_models
+from trtssd.engines import resolve_models
 from trtssd.config import Mode, ModelRef, RuntimeConfig, SpeculativeConfig
 from trtssd.runtime import protocol as P
 from trtssd.runtime.draft_client import DraftClient

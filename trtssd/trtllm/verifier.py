@@ -1,4 +1,4 @@
-"""The target loop's rounds on a TensorRT-LLM engine: a ``Verifier`` (trtssd/runtime/target_loop.py).
+"""The target loop's rounds on a TensorRT-LLM engine: a ``Verifier`` (trtssd/runtime/verifiers.py).
 
 Each round every running sequence becomes one ``VerifyRequest`` (its whole sequence, ending with
 the pending bonus, plus the draft rank's chain) and the executor's outcome becomes the loop's
@@ -18,8 +18,8 @@ from typing import Protocol, Sequence
 
 import torch
 
-from trtssd.runtime.target_loop import Sequence as Row
-from trtssd.runtime.target_loop import Verified
+from trtssd.runtime.sequence import Sequence as Row
+from trtssd.runtime.verifiers import Verified
 from trtssd.sampling import SamplingParams
 from trtssd.trtllm.executor_target import (RoundOutcome, TrtllmTargetExecutor, VerifyRequest, build_verify_request,
                                           check_supported)

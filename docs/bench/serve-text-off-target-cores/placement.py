@@ -39,7 +39,7 @@ def _deliver_on_the_loop_thread(self: AsyncLLM, outputs) -> None:
         delta = stream._text.add(out)
         if delta is not None:
             if delta.stop_at is not None:
-                self.loop.stop(out.seq_id, delta.stop_at)
+                self.loop.stop(out.seq_id)
             stream._call(stream._items.put_nowait, delta)
         if out.finished:
             self._ended(self.loop.pop_finished(out.seq_id))

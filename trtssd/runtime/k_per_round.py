@@ -1,6 +1,6 @@
 """K per round: how many of the draft's K proposals the target verifies in a speculative round.
 
-Load control (round_choice.py) decides whether a round speculates at all; this decides how far.
+Load control (load_control.py) decides whether a round speculates at all; this decides how far.
 A longer speculation yields more tokens per round when the draft is right, and costs a verify of
 B x (k+1) rows. At batch 1 the verify of K+1 rows costs about what one row does and K wins; as the
 batch grows, every row of the verify is compute, and the positions the draft rarely gets right

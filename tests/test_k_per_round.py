@@ -1,4 +1,4 @@
-"""K per round (trtssd/runtime/speculation_length.py): the chooser picks the k with the best
+"""K per round (trtssd/runtime/k_per_round.py): the chooser picks the k with the best
 predicted tokens/s from live acceptance and verify costs, explores all K now and then, and the
 loop stays exact while k changes (greedy output equal to ar; the sampled law is
 tests/test_exactness.py::test_proposals_verified_chosen_from_past_outcomes)."""
@@ -11,7 +11,7 @@ import random
 import pytest
 
 from trtssd import SamplingParams
-from trtssd.runtime.speculation_length import LengthChooser
+from trtssd.runtime.k_per_round import LengthChooser
 from trtssd.runtime.speedup_model import StepCostModel
 
 
@@ -90,5 +90,5 @@ def test_k_per_round_chooses_on_its_own_and_stays_exact(tiny_llm):
     with tiny_llm(mode="ar", max_batch=2) as llm:
         expected = [o.token_ids for o in llm.generate(prompts, params)]
     with tiny_llm(mode="ssd", k=4, max_batch=2, k_per_round=True, plain_under_load=False) as llm:
-        assert llm.loop.lengths is not None
+        assert llm.loop.policy.lengths is not None
         assert [o.token_ids for o in llm.generate(prompts, params)] == expected

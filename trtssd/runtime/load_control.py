@@ -18,7 +18,7 @@ yields anything from 1 to K+1 tokens per row. So:
   draft has not seen, and wait for pre-speculation: such *unsteady* rounds are not measured,
   unless they are all there is (``max_unsteady`` in a row). Plain rounds are unsteady while the
   draft still pre-speculates for its last reply (they cannot borrow its cores yet,
-  trtssd/runtime/affinity.py); that spell ends by itself, so they are never measured.
+  trtssd/runtime/core_lending.py); that spell ends by itself, so they are never measured.
 - A batch size not yet measured borrows the answer of its neighbours, because speculation's
   advantage shrinks as the batch grows: where plain rounds won at a smaller batch they win here,
   where speculation won at a larger batch it wins here. Only a size with no such evidence is tried.

@@ -1,0 +1,132 @@
+"""Who scores a round's rows on the target: a `Verifier`.
+
+The default, `ExecutorVerifier`, is the target loop's own executor: one k+1-token forward per
+row, `spec_decode.verify`, and the commit of what was accepted. Another target engine
+(TensorRT-LLM, trtssd/trtllm/) plugs in behind the same calls; prefill stays on the loop's
+executor either way. Every position of a verify chain is scored by the target's processed
+distribution given its own prefix (a constrained row masked by its grammar along the chain).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from trtssd.backends.base import Executor, chain_chunk
+from trtssd.runtime.sequence import Sequence
+from trtssd.sampling import SamplingParams, TokenLogprob, greedy_tokens, processed_probs, sample, token_logprobs
+from trtssd.spec_decode.verify import verify
+from trtssd.structured.grammar import apply_bitmask, chain_bitmask
+
+
+@dataclass(frozen=True)
+class Verified:
+    """Each row's verification result, in the order of the rows given."""
+
+    num_accepted: tuple[int, ...]  # drafts accepted per row
+    bonus: tuple[int, ...]  # the target's token after them per row
+    # Per row, the logprobs of its accepted drafts and bonus where its SamplingParams.logprobs
+    # asks for them, else None; empty when no row asks.
+    logprobs: tuple[list[TokenLogprob] | None, ...] = ()
+
+
+class Verifier(Protocol):
+    """Scores the running rows on the target and returns what each one emits.
+
+    Rows are `Sequence`s whose ``bonus`` is the pending token (not yet in the target's state);
+    the verifier brings its target's state up to date with what it returns.
+    """
+
+    def verify(self, seqs: list[Sequence], proposals: torch.Tensor, probs: torch.Tensor | None,
+               point_mass: tuple[bool, ...], num_proposals: tuple[int, ...] | None = None) -> Verified:
+        """One speculative round: ``proposals`` [B, K] from the draft, ``probs`` its q' rows
+        [B, K, V] (None for greedy rows), ``point_mass`` per row, ``num_proposals`` the
+        proposals of each row to verify (its first ones; None: all K)."""
+
+    def plain(self, seqs: list[Sequence]) -> Verified:
+        """One plain step: a round without drafts (nothing accepted, each row's next token as
+        its bonus)."""
+
+    def check(self, params: SamplingParams) -> None:
+        """Raise ValueError for sampling parameters this target cannot honour exactly."""
+
+
+class ExecutorVerifier:
+    """The default verifier: the loop's own executor, one k+1-token pass, exact verification."""
+
+    def __init__(self, target: Executor):
+        self.target = target
+
+    def check(self, params: SamplingParams) -> None:
+        pass  # trtssd.sampling implements every SamplingParams field
+
+    def verify(self, seqs: list[Sequence], proposals: torch.Tensor, probs: torch.Tensor | None,
+               point_mass: tuple[bool, ...], num_proposals: tuple[int, ...] | None = None) -> Verified:
+        # Each row [bonus, s_1..s_n] appended causally at its committed length.
+        k = proposals.shape[1]
+        counts = num_proposals if num_proposals is not None else (k,) * len(seqs)
+        rows = [row[:n] for row, n in zip(proposals.tolist(), counts)]
+        chunks = [chain_chunk(s.seq_id, [s.bonus] + rows[i], self.target.committed(s.seq_id))
+                  for i, s in enumerate(seqs)]
+        # [B, k+1, V]; a row with fewer proposals is padded (verify never reads past its count).
+        logits = constrained(torch.stack([_padded(out, k + 1) for out in self.target.forward(chunks)]), seqs, rows)
+        result = verify(
+            logits, proposals.clone(), torch.tensor(counts, dtype=torch.long), probs,
+            torch.tensor(point_mass, dtype=torch.bool), [s.params for s in seqs],
+            [s.generator for s in seqs], [s.history() for s in seqs],
+        )
+        accepted, bonus = tuple(result.num_accepted.tolist()), tuple(result.bonus.tolist())
+        for seq, n in zip(seqs, accepted):
+            self.target.commit(seq.seq_id, n + 1)
+        return Verified(accepted, bonus, emitted_logprobs(seqs, logits, [rows[i][:n] + [b] for i, (n, b)
+                                                                   in enumerate(zip(accepted, bonus))]))
+
+    def plain(self, seqs: list[Sequence]) -> Verified:
+        chunks = [chain_chunk(s.seq_id, [s.bonus], self.target.committed(s.seq_id)) for s in seqs]
+        logits = constrained(torch.stack(self.target.forward(chunks)), seqs, [[] for _ in seqs])[:, 0]
+        params, history = [s.params for s in seqs], [s.history() for s in seqs]
+        if all(p.is_greedy for p in params):
+            nxt = greedy_tokens(logits, params, history)  # what sampling the one-hot p would return
+        else:
+            nxt = sample(processed_probs(logits, params, history), [s.generator for s in seqs])
+        for seq in seqs:
+            self.target.commit(seq.seq_id, 1)
+        tokens = tuple(nxt.tolist())
+        return Verified((0,) * len(seqs), tokens, emitted_logprobs(seqs, logits[:, None], [[t] for t in tokens]))
+
+
+def constrained(logits: torch.Tensor, seqs: list[Sequence], chains: list[list[int]]) -> torch.Tensor:
+    """Target logits [B, n, V] with each constrained row masked by its grammar: position i by the
+    state after the row's emitted output and ``chains[b][:i]`` (its proposals before i), so p at
+    every position of a verify chain is the masked distribution given its own prefix."""
+    rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    if not rows:
+        return logits
+    t0 = time.perf_counter()
+    n, vocab = logits.shape[1], logits.shape[2]
+    out = torch.stack([apply_bitmask(logits[i], chain_bitmask(s.grammar, chains[i], n, vocab))
+                       if s.grammar is not None else logits[i] for i, s in enumerate(seqs)])
+    spent = (time.perf_counter() - t0) / len(rows)
+    for i in rows:
+        seqs[i].metrics.grammar_mask_time_s += spent
+    return out
+
+
+def _padded(logits: torch.Tensor, rows: int) -> torch.Tensor:
+    """Logits [n, V] padded with zero rows to [rows, V]."""
+    if logits.shape[0] == rows:
+        return logits
+    return torch.cat([logits, logits.new_zeros(rows - logits.shape[0], logits.shape[1])])
+
+
+def emitted_logprobs(seqs: list[Sequence], logits: torch.Tensor, emitted: list[list[int]]) -> tuple[list[TokenLogprob] | None, ...]:
+    """Each row's emitted tokens' logprobs where its request asks for them (logits [B, n, V]
+    score row b's emitted tokens at positions 0..), or () when no row does."""
+    if all(s.params.logprobs is None for s in seqs):
+        return ()
+    return tuple(None if s.params.logprobs is None else
+                 token_logprobs(logits[i, :len(emitted[i])], emitted[i], s.params, history=s.history())
+                 for i, s in enumerate(seqs))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trtssd.runtime.speedup_model import BackupCosts, prefer_neural
+from trtssd.spec_decode.backup import BackupCosts, prefer_neural
 from trtssd.spec_decode.backup import ngram_proposal
 
 

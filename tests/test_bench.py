@@ -15,7 +15,7 @@ from trtssd.bench import (BatchRecord, BenchConfig, BenchReport, RequestRecord, 
                           workload_from_summary, write_plots, write_report)
 from trtssd.config import Source
 from trtssd.runtime.metrics import SpeculationMetrics
-from trtssd.runtime.speedup_model import CostCurve, Timings, acceptance_from_length, predict_sd
+from trtssd.spec_decode.speedup import CostCurve, Timings, acceptance_from_length, predict_sd
 
 # --- prompts -------------------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from tiny_models import make_tiny_llama
 from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.config import Mode, SpeculativeConfig
 from trtssd.runtime import draft_worker as dw
-from trtssd.runtime import speedup_model as sm
+from trtssd.runtime import calibration as sm
 from trtssd.runtime.draft_worker import DraftWorker
 
 K = 3

@@ -12,7 +12,7 @@ import pytest
 
 from trtssd import SamplingParams
 from trtssd.runtime.k_per_round import LengthChooser
-from trtssd.runtime.speedup_model import StepCostModel
+from trtssd.spec_decode.speedup import StepCostModel
 
 
 def _costs(points: dict[int, float]) -> StepCostModel:

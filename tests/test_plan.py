@@ -8,9 +8,9 @@ import random
 import pytest
 
 from trtssd.plan import load_timings, main
-from trtssd.runtime.speedup_model import (CostCurve, StepCostModel, Timings, Workload, acceptance_from_length, best_ssd,
-                                          expected_tokens, predict_ar, predict_sd, predict_ssd, recommend,
-                                          time_forwards, time_tree_steps)
+from trtssd.runtime.calibration import time_forwards, time_tree_steps
+from trtssd.spec_decode.speedup import (CostCurve, StepCostModel, Timings, Workload, acceptance_from_length, best_ssd,
+                                        expected_tokens, predict_ar, predict_sd, predict_ssd, recommend)
 from trtssd.spec_decode.fanout import expected_hit_rate, optimal_fanout
 
 

@@ -19,7 +19,7 @@ from trtssd import LLM, ModelRef, SamplingParams
 from trtssd.backends.base import chain_chunk
 from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.config import Source, SpeculativeConfig
-from trtssd.runtime import draft_worker, speedup_model
+from trtssd.runtime import calibration, draft_worker
 from trtssd.runtime import protocol as P
 from trtssd.runtime.draft_worker import DraftWorker
 from trtssd.runtime.load_control import RoundChooser, speculation_ceiling
@@ -623,7 +623,7 @@ def test_a_fresh_engine_whose_stored_costs_rule_speculation_out_never_speculates
     with monkeypatch.context() as timed:  # the first start times its forwards (so), and stores them
         timed.setattr(draft_worker, "time_forwards", lambda executor, rows, context: {1: 1.0, 64: 64.0})
         timed.setattr(draft_worker, "time_tree_steps", lambda executor, k, rows, context: {1: 1.0, 64: 64.0})
-        timed.setattr(speedup_model, "time_forwards", lambda executor, rows, context: {1: 0.001, 64: 0.064})
+        timed.setattr(calibration, "time_forwards", lambda executor, rows, context: {1: 0.001, 64: 0.064})
         LLM(str(GGML_ENGINE), mode=mode, launch="local", max_batch=3, max_seq_len=256).close()
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     with LLM(str(GGML_ENGINE), mode=mode, launch="local", max_batch=3, max_seq_len=256) as llm:

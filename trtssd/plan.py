@@ -1,6 +1,6 @@
 """`trtssd plan`: what the speedup model predicts for ar, sd and ssd on given or measured timings.
 
-The model itself (docs/algorithm.md section 8) is `trtssd.runtime.speedup_model`, which the draft
+The model itself (docs/algorithm.md section 8) is `trtssd.spec_decode.speedup`, which the draft
 rank also runs live; this module reads timings (a file, flags or a measurement), searches K, fan-out
 budget and backup per batch size, and prints a markdown table or JSON.
 
@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from trtssd.bench.calibration import measure_timings
-from trtssd.runtime.speedup_model import (DEFAULT_BUDGETS, DEFAULT_KS, CostCurve, Recommendation, Timings, Workload,
-                                          acceptance_from_length, recommend)
+from trtssd.spec_decode.speedup import (DEFAULT_BUDGETS, DEFAULT_KS, CostCurve, Recommendation, Timings, Workload,
+                                        acceptance_from_length, recommend)
 
 
 # --- timings -------------------------------------------------------------------------------------

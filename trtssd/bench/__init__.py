@@ -8,7 +8,7 @@ Every system sees the same token ids (prompts are tokenized once, chat sets thro
 chat template) and, by default, generates exactly ``max_tokens`` tokens (EOS ignored), so tokens/s
 compare like with like. Each trtssd configuration runs in its own ``LLM``, closed before the
 next. After the runs the harness times the models' forward passes on this machine
-(``measure_timings``) and checks the speedup model (trtssd.runtime.speedup_model) against what it
+(``measure_timings``) and checks the speedup model (trtssd.spec_decode.speedup) against what it
 measured.
 
 Writes results.json, results.md and PNG plots to the output directory.

@@ -18,19 +18,8 @@ from trtssd.engines import resolve_models
 from trtssd.bench.config import TRTSSD_SYSTEMS
 from trtssd.bench.records import RunResult
 from trtssd.config import ModelRef
-from trtssd.runtime.speedup_model import (
-    CostCurve,
-    Timings,
-    Workload,
-    acceptance_from_length,
-    middle_tree_step,
-    predict_ar,
-    predict_sd,
-    predict_ssd,
-    scratch_sequences,
-    time_forward,
-    write_tree_before_middle,
-)
+from trtssd.runtime.calibration import middle_tree_step, scratch_sequences, time_forward, write_tree_before_middle
+from trtssd.spec_decode.speedup import CostCurve, Timings, Workload, acceptance_from_length, predict_ar, predict_sd, predict_ssd
 from trtssd.spec_decode.backup import ngram_proposal
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import psutil
 
 from trtssd.bench.config import BenchConfig
 from trtssd.bench.records import RunResult
-from trtssd.runtime.speedup_model import Timings
+from trtssd.spec_decode.speedup import Timings
 
 log = logging.getLogger(__name__)
 

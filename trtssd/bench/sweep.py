@@ -24,7 +24,7 @@ from trtssd.bench.runners import HFRunner, LlamaCppRunner, SkipRun, TrtssdRunner
 from trtssd.bench.structured_runs import StructuredSet, judge_run, structured_sets
 from trtssd.models.tokenizer import load_tokenizer
 from trtssd.runtime.metrics import SpeculationMetrics
-from trtssd.runtime.speedup_model import Timings
+from trtssd.spec_decode.speedup import Timings
 
 log = logging.getLogger(__name__)
 

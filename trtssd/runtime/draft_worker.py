@@ -46,14 +46,14 @@ from trtssd.backends.base import Executor, chain_chunk
 from trtssd.config import Backup, Mode, Source, SpeculativeConfig
 from trtssd.runtime.prefix_cache import PrefixCache
 from trtssd.runtime.protocol import Outcome, Prefill, SpeculateRequest
-from trtssd.runtime.speedup_model import (BackupCosts, CostCurve, StepCostModel, Timings, Workload,
-                                          acceptance_from_length, best_ssd, calibration, calibration_key_fields,
-                                          prefer_neural, time_forwards, time_tree_steps)
+from trtssd.runtime.calibration import calibration, calibration_key_fields, time_forwards, time_tree_steps
 from trtssd.sampling import (History, SamplingParams, adjusted_logits, greedy_tokens, processed_probs,
                              sample_with_uniforms)
-from trtssd.spec_decode.backup import ngram_proposal
+from trtssd.spec_decode.backup import BackupCosts, ngram_proposal, prefer_neural
 from trtssd.spec_decode.cache import CachedSpeculation, PreSpeculation, pre_speculation
 from trtssd.spec_decode.fanout import AcceptanceEstimator, PowerLawEstimator, optimal_fanout
+from trtssd.spec_decode.speedup import (CostCurve, StepCostModel, Timings, Workload, acceptance_from_length,
+                                        best_ssd)
 from trtssd.spec_decode.saguaro import saguaro_probs, select_forks_batched
 from trtssd.spec_decode.tree import TreeLayout, append_chunk
 from trtssd.structured.grammar import GrammarState, Grammars, apply_bitmask, chain_bitmask, new_bitmask
@@ -146,7 +146,7 @@ class DraftWorker:
         on this machine. Returns the chain forwards' {rows: s}.
 
         A calibration is stored per machine and model and reused at the next start
-        (`speedup_model.calibration`): timing is most of a large draft's start-up."""
+        (`calibration.calibration`): timing is most of a large draft's start-up."""
         fields = calibration_key_fields(self.executor, k=self.k, max_rows=max_rows, context=context)
         points, tree, stored = calibration(fields, lambda: (time_forwards(self.executor, max_rows, context),
                                                             time_tree_steps(self.executor, self.k, max_rows, context)))

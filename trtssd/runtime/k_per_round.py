@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trtssd.runtime.speedup_model import StepCostModel, decayed
+from trtssd.spec_decode.speedup import StepCostModel, decayed
 
 PRIOR_ACCEPTANCE = 0.7  # per position, before any evidence (the draft's own prior)
 

@@ -53,6 +53,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
+from trtssd.spec_decode.speedup import decayed
+
 log = logging.getLogger(__name__)
 
 
@@ -181,8 +183,8 @@ class RoundChooser:
             if rate is None:
                 b.rates[speculative] = _Rate(tokens, seconds)
             else:
-                rate.tokens = self.decay * rate.tokens + (1 - self.decay) * tokens
-                rate.seconds = self.decay * rate.seconds + (1 - self.decay) * seconds
+                rate.tokens = decayed(rate.tokens, tokens, self.decay)
+                rate.seconds = decayed(rate.seconds, seconds, self.decay)
             if b.choice is None and len(b.rates) == 2:
                 b.choice = b.rates[True].value >= b.rates[False].value
             return

@@ -31,7 +31,8 @@ from trtssd.runtime.core_lending import CoreLending, on_own_thread
 from trtssd.runtime.k_per_round import LengthChooser
 from trtssd.runtime.load_control import RoundChooser, speculation_ceiling
 from trtssd.runtime.sequence import Sequence
-from trtssd.runtime.speedup_model import CostCurve, StepCostModel, calibrated_forwards
+from trtssd.runtime.calibration import calibrated_forwards
+from trtssd.spec_decode.speedup import CostCurve, StepCostModel
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from trtssd.backends.loading import load_side
 from trtssd.bench.report import machine_info
 from trtssd.models.engine_dir import engine_speculation, load_manifest
 from trtssd.runtime.core_lending import pin
-from trtssd.runtime.speedup_model import time_forwards, time_tree_steps
+from trtssd.runtime.calibration import time_forwards, time_tree_steps
 
 log = logging.getLogger("kernels-vs-ggml")
 HERE = Path(__file__).resolve().parent

@@ -1,10 +1,11 @@
 """The speedup model of docs/algorithm.md section 8: predict tokens/s of ar, sd and ssd, pick K
 and fan-out.
 
-The draft rank uses it live every round (`StepCostModel`, `best_ssd`, `BackupCosts`,
-`prefer_neural`); `trtssd plan` and `trtssd bench` use it offline. Inputs are component times in
-seconds (measured by `time_forward`, or written by hand for hardware we cannot run) and the
-workload's acceptance a and cache hit rate h.
+The draft rank uses it live every round (`StepCostModel`, `best_ssd`; its backup choice,
+`spec_decode.backup.prefer_neural`); `trtssd plan` and `trtssd bench` use it offline. Inputs are
+component times in seconds (measured by trtssd/runtime/calibration.py, or written by hand for
+hardware we cannot run) and the workload's acceptance a and cache hit rate h. `decayed` is the one
+running average every live estimate follows the machine with.
 
 Times are modelled per forward pass as a function of the tokens it processes for the whole
 batch (a ``CostCurve``), because every component is such a pass:
@@ -30,28 +31,11 @@ ssd = [h E + (1 - h) E_miss] / [h max(1, T_p) + (1 - h)(T_b + max(1, T_p))].
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import hashlib
-import importlib.metadata
-import json
-import logging
 import math
-import os
-import platform
-import statistics
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
-import torch
-
-from trtssd.backends.base import Chunk, Executor, chain_chunk
 from trtssd.spec_decode.fanout import expected_hit_rate, optimal_fanout
-from trtssd.spec_decode.tree import TreeLayout
-
-log = logging.getLogger(__name__)
 
 DEFAULT_KS = tuple(range(1, 9))  # lookaheads searched by `recommend`
 DEFAULT_BUDGETS = (1, 2, 4, 6, 8, 12, 16, 24, 32)  # fan-out budgets (branches per sequence) searched
@@ -230,208 +214,6 @@ class Timings:
         return cls(**fields)
 
 
-# --- timing forwards -----------------------------------------------------------------------------
-
-
-def time_forward(executor: Executor, chunks: Sequence[Chunk], repeats: int = 3) -> float:
-    """Median seconds of one forward of ``chunks`` over ``repeats`` calls after a warm-up call
-    (which fills caches). The chunks write region slots only, so every call does the same work."""
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1; got {repeats!r}")
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        executor.forward(chunks)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
-
-
-@contextmanager
-def scratch_sequences(executor: Executor, count: int, context: int) -> Iterator[list[int]]:
-    """``count`` sequences with ``context`` committed tokens to time forwards on, released on exit.
-    Their ids are negative: never a request's (the target numbers requests from 0)."""
-    ids = [-1 - i for i in range(count)]
-    vocab = min(executor.vocab_size, 1000)
-    added = []
-    try:
-        for sid in ids:
-            executor.add_sequence(sid)
-            added.append(sid)
-            prompt = [(7 * i - sid) % vocab for i in range(context)]  # varied tokens, like text
-            executor.forward([chain_chunk(sid, prompt, 0, last_logits_only=True)])
-            executor.commit(sid, context)
-        yield ids
-    finally:
-        for sid in added:
-            executor.release(sid)
-
-
-def time_forwards(executor: Executor, max_rows: int = 64, context: int = 128, repeats: int = 3) -> dict[int, float]:
-    """{rows: seconds} of chain forwards of 1, 2, 4, ... rows (up to ``max_rows`` and what the
-    executor holds) after a ``context``-token prefix: the shape of a `StepCostModel`."""
-    context, sizes = _timing_sizes(executor, max_rows, context, lambda rows: rows)
-    with scratch_sequences(executor, 1, context) as (sid,):
-        return {rows: time_forward(executor, [chain_chunk(sid, [1] * rows, context)], repeats) for rows in sizes}
-
-
-def middle_tree_step(seq_id: int, context: int, k: int, branches: int) -> Chunk:
-    """A tree step of ``branches`` forks spread over the depths, after a ``context``-token prefix:
-    the middle step, whose mask is of average width. Its mask shows the glue and the steps before
-    it: write them first with ``write_tree_before_middle``."""
-    return _tree_layout(seq_id, context, k, branches).step_chunk((k - 1) // 2, torch.ones(branches, dtype=torch.long))
-
-
-def write_tree_before_middle(executor: Executor, seq_id: int, context: int, k: int, branches: int) -> None:
-    """Forward the glue and the tree steps before the middle one, so that the middle step sees
-    written KV: an engine that owns its cache (llama.cpp) refuses to attend to unwritten slots."""
-    layout = _tree_layout(seq_id, context, k, branches)
-    executor.forward([chain_chunk(seq_id, [1] * (k + 1), context)])
-    for step in range((k - 1) // 2):
-        executor.forward([layout.step_chunk(step, torch.ones(branches, dtype=torch.long))])
-
-
-def _tree_layout(seq_id: int, context: int, k: int, branches: int) -> TreeLayout:
-    return TreeLayout(seq_id, context, k, torch.arange(branches) % (k + 1), torch.ones(branches, dtype=torch.long))
-
-
-def time_tree_steps(executor: Executor, k: int, max_branches: int = 64, context: int = 128,
-                    repeats: int = 3) -> dict[int, float]:
-    """{branches: seconds} of tree steps of 1, 2, 4, ... branches of one sequence. A tree step
-    attends through a mask, so it costs more than a chain forward of as many rows (12 branches
-    of the Qwen2.5-Coder-0.5B draft: 1.5-2.5x a 12-row chain extrapolated, in two calibrations):
-    a tree priced as chain forwards looks cheaper than it is, and the auto fan-out grows it past
-    the verify window."""
-    _check_int(k, "k")
-    context, sizes = _timing_sizes(executor, max_branches, context, lambda branches: k + 1 + k * branches)
-    with scratch_sequences(executor, 1, context) as (sid,):
-        times = {}
-        for n in sizes:
-            write_tree_before_middle(executor, sid, context, k, n)
-            times[n] = time_forward(executor, [middle_tree_step(sid, context, k, n)], repeats)
-        return times
-
-
-def _timing_sizes(executor: Executor, most: int, context: int, slots) -> tuple[int, list[int]]:
-    """The context and the sizes 1, 2, 4, ... (up to ``most``) whose forward fits the executor's
-    token budget and whose ``slots(size)`` region slots fit its sequences after the context."""
-    limit = executor.capabilities.max_batch_tokens
-    context = max(1, min(context, limit, executor.max_seq_len // 2))
-    sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128)
-             if n <= min(most, limit) and context + slots(n) <= executor.max_seq_len]
-    return context, sizes or [1]
-
-
-# --- cached calibrations ------------------------------------------------------------------------
-# Timing the draft's forwards takes seconds to tens of seconds at every start (the Qwen pair's
-# draft: most of its start-up), and gives the same shape on the same machine for the same model:
-# so it is stored per machine and model and reused. The live scale of a `StepCostModel` still
-# follows what forwards cost now.
-
-CALIBRATION_CACHE_ENV = "TRTSSD_CALIBRATION_CACHE"  # a directory, or "off" to time at every start
-
-
-def calibration_cache_dir() -> Path | None:
-    """Where calibrations are kept (default ~/.cache/trtssd/calibration), None when caching is off.
-    Deleting the directory makes the next start time its forwards again."""
-    value = os.environ.get(CALIBRATION_CACHE_ENV)
-    if value is not None and value.strip().lower() in ("off", "0", "no", "false", ""):
-        return None
-    return Path(value) if value else Path.home() / ".cache" / "trtssd" / "calibration"
-
-
-def calibration_key_fields(executor: Executor, **settings: Any) -> dict:
-    """What the timed costs depend on: the machine (CPU, cores, threads, torch, trtssd), the
-    executor's `cost_identity` (the model's shape and how it runs) and the timing settings."""
-    return {
-        "cpu": _cpu_model(),
-        "cpus": os.cpu_count(),
-        "affinity": len(os.sched_getaffinity(0)),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "trtssd": _trtssd_version(),
-        **executor.cost_identity(),
-        **settings,
-    }
-
-
-def _calibration_path(fields: Mapping[str, Any]) -> Path | None:
-    folder = calibration_cache_dir()
-    if folder is None:
-        return None
-    key = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:20]
-    return folder / f"{key}.json"
-
-
-def load_calibration(fields: Mapping[str, Any]) -> dict[str, dict[int, float]] | None:
-    """The stored {"chain": {rows: s}, "tree": {branches: s}} for these fields, or None (not
-    stored, caching off, or an unreadable file, which the next store replaces)."""
-    path = _calibration_path(fields)
-    if path is None:
-        return None
-    try:
-        data = json.loads(path.read_text())
-        return {part: {int(n): float(s) for n, s in data[part].items()} for part in ("chain", "tree")}
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        log.warning("ignoring unreadable calibration %s (%s); timing again", path, err)
-        return None
-
-
-def store_calibration(fields: Mapping[str, Any], chain: Mapping[int, float], tree: Mapping[int, float]) -> Path | None:
-    """Keep a calibration for the next start (written whole or not at all); None when caching is
-    off or the directory is not writable (a start then only costs the timing again)."""
-    path = _calibration_path(fields)
-    if path is None:
-        return None
-    record = {"measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "fields": fields, "chain": dict(chain), "tree": dict(tree)}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.partial")
-        partial.write_text(json.dumps(record, indent=1, default=str) + "\n")
-        os.replace(partial, path)
-    except OSError as err:
-        log.warning("could not store the calibration in %s: %s", path.parent, err)
-        return None
-    return path
-
-
-def calibration(fields: Mapping[str, Any], measure: Callable[[], tuple[dict, dict]]) -> tuple[dict, dict, bool]:
-    """(chain, tree) timings stored for these fields, else ``measure()``'s, stored for the next start;
-    and whether they were stored."""
-    stored = load_calibration(fields)
-    if stored is not None:
-        return stored["chain"], stored["tree"], True
-    chain, tree = measure()
-    store_calibration(fields, chain, tree)
-    return chain, tree, False
-
-
-def calibrated_forwards(executor: Executor, max_rows: int, context: int = 128, **settings: Any) -> dict[int, float]:
-    """`time_forwards`, stored per machine and model like the draft's calibration (``settings``
-    join the key: e.g. which rank times them)."""
-    fields = calibration_key_fields(executor, max_rows=max_rows, context=context, **settings)
-    return calibration(fields, lambda: (time_forwards(executor, max_rows, context), {}))[0]
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _trtssd_version() -> str:
-    try:
-        return importlib.metadata.version("trtssd")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
 # --- workload ------------------------------------------------------------------------------------
 
 
@@ -510,19 +292,19 @@ class Prediction:
         }
 
 
-def _check_int(value: int, name: str, minimum: int = 1) -> None:
+def check_int(value: int, name: str, minimum: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
 
 
 def predict_ar(t: Timings, batch_size: int = 1) -> Prediction:
-    _check_int(batch_size, "batch_size")
+    check_int(batch_size, "batch_size")
     return Prediction("ar", batch_size, None, None, None, None, 1.0, t.overhead_s + t.target(batch_size), None)
 
 
 def predict_sd(t: Timings, w: Workload, k: int, batch_size: int = 1) -> Prediction:
-    _check_int(batch_size, "batch_size")
-    _check_int(k, "k")
+    check_int(batch_size, "batch_size")
+    check_int(k, "k")
     round_s = t.overhead_s + t.handshake_s + k * t.draft(batch_size) + t.verify(k, batch_size)
     return Prediction("sd", batch_size, k, None, None, None, expected_tokens(w.acceptance, k), round_s, None)
 
@@ -531,11 +313,11 @@ def predict_ssd(t: Timings, w: Workload, k: int, budget: int, batch_size: int = 
                 fanout: Sequence[int] | None = None) -> Prediction:
     """SSD with one backup policy. h is the workload's, or the fan-out model's when not given
     (fan-out ``fanout`` if given, else the optimal one for ``budget``)."""
-    _check_int(batch_size, "batch_size")
-    _check_int(k, "k")
+    check_int(batch_size, "batch_size")
+    check_int(k, "k")
     if backup not in BACKUPS:
         raise ValueError(f"backup must be one of {BACKUPS}; got {backup!r}")
-    _check_int(budget, "budget", minimum=0)
+    check_int(budget, "budget", minimum=0)
     fan = None
     h = w.hit_rate
     if h is None:
@@ -621,40 +403,3 @@ def recommend(t: Timings, w: Workload, batch_size: int = 1, ks: Iterable[int] = 
     ssd = ssd_candidates(t, w, batch_size, ks, budgets, backups)
     sd = [predict_sd(t, w, k, batch_size) for k in ks]
     return Recommendation(batch_size, predict_ar(t, batch_size), _fastest(sd), _fastest(ssd), tuple(sd + ssd))
-
-
-# --- backup choice per round (docs/algorithm.md section 4) ---------------------------------------
-
-
-@dataclass
-class BackupCosts:
-    """Running estimates of what each backup costs and yields, in seconds and tokens: exponential
-    averages like `StepCostModel`'s scale, slower (0.9) because one observation per round is
-    noisier than one per forward."""
-
-    verify_s: float = 0.05  # target verify time per round
-    prespec_s: float = 0.0  # draft pre-speculation per round (SSD): with verify, what a round lasts
-    jit_s: float = 0.05  # draft time for a K-token just-in-time draft of the missing rows
-    tokens_neural: float = 2.5  # tokens per round when the row's speculation came from the draft
-    tokens_fast: float = 1.1  # tokens per round after a fast-backup proposal
-    decay: float = 0.9
-
-    def observe(self, name: str, value: float) -> None:
-        setattr(self, name, decayed(getattr(self, name), value, self.decay))
-
-
-def prefer_neural(batch: int, misses: int, tokens_hit: float, costs: BackupCosts) -> bool:
-    """Neural backup iff it gives more tokens per second for this round.
-
-    A neural miss delays the whole batch by the JIT draft; a fast miss delays nothing but yields
-    fewer tokens. At batch 1 that usually favours neural, at large batch fast (paper §4). A round
-    lasts as long as the longer of the target's verify and the draft's pre-speculation, which run
-    side by side; the JIT draft comes on top of that.
-    """
-    if misses == 0:
-        return False
-    hit_tokens = (batch - misses) * tokens_hit
-    round_s = max(costs.verify_s, costs.prespec_s)
-    neural = (hit_tokens + misses * costs.tokens_neural) / (round_s + costs.jit_s)
-    fast = (hit_tokens + misses * costs.tokens_fast) / round_s
-    return neural > fast

@@ -379,7 +379,7 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, 
 def mpi_launch_available() -> dict:
     """Whether the draft rank can be its own MPI process here (mpi4py and an mpiexec)."""
     try:
-        from trtssd.runtime.draft_link import _mpiexec
+        from trtssd.runtime.draft_client import _mpiexec
         from trtssd.runtime.transport import require_mpi
 
         try:

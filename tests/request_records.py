@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from trtssd.runtime.metrics import SpeculationMetrics
-from trtssd.runtime.output_processor import RequestOutput
+from trtssd.text.output_processor import RequestOutput
 
 
 def finished(request_id: str, prompt_tokens: int, token_ids: tuple[int, ...], text: str, finish_reason: str,

@@ -15,7 +15,7 @@ import random
 import pytest
 
 from token_text import MIXED_TEXT, CountingTokenizer, one_token, token_ids
-from trtssd.runtime.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer
+from trtssd.text.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer
 
 CORPUS = ["Hello world, this is a tiny corpus.", "The quick brown fox jumps over the lazy dog.",
           "naïve café, 世界 你好 🎉 ok"] * 20

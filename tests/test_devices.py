@@ -30,7 +30,7 @@ from trtssd.models.config import ModelConfig, RopeConfig
 from trtssd.models.engine_dir import _dequantized_draft
 from trtssd.models.llama import LlamaModel
 from trtssd.models.quant import groups_from_float
-from trtssd.runtime.draft_link import _mpiexec
+from trtssd.runtime.draft_client import _mpiexec
 from trtssd.runtime.transport import require_mpi
 from trtssd.triton.model_options import ModelOptions
 from trtssd.triton.repository import write_repository

@@ -9,7 +9,7 @@ from tiny_models import make_tiny_llama
 from trtssd.backends.base import chain_chunk
 from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.config import Mode, ModelRef, RuntimeConfig, Source, SpeculativeConfig
-from trtssd.runtime.draft_server import load_worker
+from trtssd.runtime.draft_rank import load_worker
 from trtssd.runtime.draft_worker import DraftWorker
 from trtssd.runtime.protocol import Outcome, Prefill, SpeculateRequest
 from trtssd.sampling import SamplingParams

@@ -65,7 +65,7 @@ def test_positions_past_a_rejection_are_not_counted_as_failures():
     chooser = LengthChooser(3, _costs({1: 0.01}))
     for _ in range(300):  # position 1 always passes, position 2 never, position 3 never tested
         chooser.observe(3, [1, 1], 8, 0.01, 0.0)
-    rates = [p.rate for p in chooser._positions]
+    rates = [chooser.acceptance.rate(i) for i in range(3)]
     assert rates[0] > 0.99 and rates[1] < 0.01 and rates[2] == pytest.approx(0.7)  # the prior stays
 
 

@@ -12,9 +12,10 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "trtssd"
 
 # What the runtime (rank 0's target loop, the draft rank) must never import, even indirectly:
-# the user API, the command lines, benchmarks, the engine build, and the servers (OpenAI, Triton).
+# the user API, the command lines, benchmarks, the engine build, the servers (OpenAI, Triton), and
+# text (the runtime deals in token ids only).
 ABOVE_RUNTIME = ("trtssd.llm", "trtssd.bench", "trtssd.plan", "trtssd.cli", "trtssd.build", "trtssd.serving",
-                 "trtssd.triton")
+                 "trtssd.triton", "trtssd.text", "trtssd.engines")
 
 
 def _module_name(path: Path) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from request_records import finished
 from trtssd.runtime.metrics import SpeculationMetrics
-from trtssd.runtime.output_processor import RequestOutput
+from trtssd.text.output_processor import RequestOutput
 from trtssd.serving.metric_catalog import METRICS, Kind, request_additions, series_from_start
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from token_text import MIXED_TEXT, CountingTokenizer, one_token, token_ids
-from trtssd.runtime.output_processor import OutputText, request_output
+from trtssd.text.output_processor import OutputText, request_output
 from trtssd.runtime.sequence import Sequence
 from trtssd.sampling import SamplingParams
 

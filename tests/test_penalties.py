@@ -287,7 +287,7 @@ class CharTokenizer:
 
 
 def test_under_min_tokens_a_stop_string_counts_only_from_the_min_tokens_th_token():
-    from trtssd.runtime.detokenizer import IncrementalDetokenizer
+    from trtssd.text.detokenizer import IncrementalDetokenizer
 
     def text(min_tokens: int, tokens: str = "xabyabz") -> tuple[str, int]:
         detok = IncrementalDetokenizer(CharTokenizer(), ["ab"], min_tokens)

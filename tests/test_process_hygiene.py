@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tiny_models import make_tiny_pair
-from trtssd.runtime.processes import ProcessTree, descendants, mapped_segments, start_time
+from trtssd.processes import ProcessTree, descendants, mapped_segments, start_time
 
 READY_TIMEOUT_S = 240.0  # a child importing torch and loading two tiny models on a busy machine
 
@@ -38,7 +38,7 @@ time.sleep(600)
 
 MPI_USER_SCRIPT = """
 import os
-from trtssd.runtime.processes import mapped_segments
+from trtssd.processes import mapped_segments
 from trtssd.runtime.transport import require_mpi
 MPI = require_mpi('this test')
 assert MPI.Is_initialized() and not MPI.Is_finalized()

@@ -18,7 +18,7 @@ import torch
 
 from tiny_models import make_tiny_llama, make_tiny_pair
 from trtssd import LLM, ModelRef, SamplingParams
-from trtssd.runtime.processes import mapped_segments, open_files, start_time
+from trtssd.processes import mapped_segments, open_files, start_time
 from trtssd.sampling import processed_probs
 
 pytestmark = pytest.mark.mpi

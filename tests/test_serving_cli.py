@@ -17,7 +17,7 @@ import pytest
 
 from tiny_models import make_tiny_llama
 from trtssd import cli
-from trtssd.runtime.processes import descendants, start_time
+from trtssd.processes import descendants, start_time
 
 
 def test_serve_has_its_server_flags(capsys):

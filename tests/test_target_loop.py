@@ -467,11 +467,12 @@ def test_unmeasured_batch_sizes_borrow_the_choice_of_their_neighbours():
 
 def test_a_stream_of_unsteady_rounds_is_measured_when_it_is_all_there_is():
     chooser = RoundChooser(max_unsteady=3)
+    chooser.observe(False, 4, 2, 1.0)  # plain rounds: 2 tokens/s
     for _ in range(2):
         chooser.observe(True, 4, 4, 1.0, steady=False)
-    assert chooser.rate(True, 4) is None
+    assert chooser.choice(4) is None  # speculation not measured yet: nothing to decide by
     chooser.observe(True, 4, 4, 1.0, steady=False)
-    assert chooser.rate(True, 4) == 4.0
+    assert chooser.choice(4) is True  # now it is: its 4 tokens/s beat plain rounds' 2
 
 
 @pytest.mark.parametrize("dwell", [2, 4, 12])
@@ -636,7 +637,7 @@ def test_a_fresh_engine_whose_stored_costs_rule_speculation_out_never_speculates
         summary = llm.metrics.summary()
         draft_seqs = llm.loop.draft.server.worker.seqs
     assert summary["num_drafts"] == 0 and summary["plain_rounds"] > 0 and summary["degraded_rounds"] == 0
-    assert chooser.rate(True, 3) is None and chooser.rate(True, 1) is None and not draft_seqs
+    assert not draft_seqs  # and with no speculative round (num_drafts 0), none was measured at any batch size
 
 
 def test_load_control_gets_its_ceiling_from_both_ranks_costs(tiny):

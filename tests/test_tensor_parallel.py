@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trtssd.backends.base import Chunk, chain_chunk
-from trtssd.backends.tensor_parallel import broadcast_chunks, load_tensor_parallel_executor, tensor_parallel_executor
+from trtssd.backends.base import Chunk, chain_chunk, chunk_on_host
+from trtssd.backends.tensor_parallel import load_tensor_parallel_executor, receive, send, tensor_parallel_executor
 from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.models.loader import load_state_dict
 from trtssd.models.tensor_parallel import check_tensor_parallel, shard_config
@@ -135,8 +135,12 @@ def _worker(rank: int, size: int, store: str, dirs: dict[str, str], out_dir: str
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size,
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
-        def share(chunks):
-            return broadcast_chunks(chunks if rank == 0 else None)
+        def share(chunks):  # rank 0's chunks on every rank, as the runtime sends a forward's
+            if rank != 0:
+                return receive(None)
+            chunks = [chunk_on_host(c) for c in chunks]
+            send(chunks, None)
+            return chunks
 
         results = {name: scenario(load_tensor_parallel_executor(d, rank, size, **EXECUTOR), share)
                    for name, d in dirs.items()}

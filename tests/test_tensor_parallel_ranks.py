@@ -1,4 +1,4 @@
-"""A tensor-parallel target on real processes (trtssd/runtime/tensor_parallel.py): rank 0 in this
+"""A tensor-parallel target on real processes (trtssd/backends/tensor_parallel.py): rank 0 in this
 process, its follower rank started by it, the draft its own MPI job (3 processes), tiny models.
 
 - Greedy ar, sd and ssd at T = 2 give the same tokens, and the tokens of T = 1.
@@ -36,8 +36,8 @@ from trtssd import LLM, ModelRef, SamplingParams
 from trtssd.backends.base import Chunk, chain_chunk
 from trtssd.backends.torch_backend import TorchExecutor
 from trtssd.config import RuntimeConfig
-from trtssd.runtime.processes import mapped_segments, start_time
-from trtssd.runtime.tensor_parallel import TensorParallelLost, start_tensor_parallel_target
+from trtssd.processes import mapped_segments, start_time
+from trtssd.backends.tensor_parallel import TensorParallelLost, start_tensor_parallel_target
 from trtssd.sampling import processed_probs
 
 pytestmark = pytest.mark.mpi

@@ -33,7 +33,7 @@ from trtssd.runtime.metrics import SpeculationMetrics
 from trtssd.serving.prometheus_metrics import ServerMetrics
 from trtssd.triton import metrics as triton_metrics
 from trtssd.triton.repository import config_pbtxt, write_repository
-from trtssd.runtime.processes import descendants, mapped_segments, start_time
+from trtssd.processes import descendants, mapped_segments, start_time
 from trtssd.triton.server import SHM_PREFIXES, free_port
 from trtssd.triton.tensors import INPUTS, LOG_PROB_OUTPUTS, OUTPUTS
 from trtssd.triton.triton_requests import DEFAULT_MAX_TOKENS, parse_request

@@ -22,7 +22,7 @@ from trtssd.config import ModelRef, RuntimeConfig, Source, SpeculativeConfig
 from trtssd.models.catalog import NAMED_ENGINES
 from trtssd.runtime import protocol as P
 from trtssd.runtime.launch import start_draft, start_target
-from trtssd.runtime.tensor_parallel import TensorParallelExecutor
+from trtssd.backends.tensor_parallel import TensorParallelExecutor
 from trtssd.sampling import SamplingParams
 from trtssd.trtllm.availability import TensorRTLLMMissing, import_tensorrt_llm, tensorrt_llm_available
 from trtssd.trtllm.build_commands import (

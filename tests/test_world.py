@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from trtssd import LLM, ModelRef, SamplingParams
-from trtssd.runtime.processes import start_time
+from trtssd.processes import start_time
 
 pytestmark = pytest.mark.mpi
 

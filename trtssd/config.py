@@ -163,7 +163,7 @@ class RuntimeConfig:
     max_batch: int = _opt(8, "sequences in flight at once")
     max_seq_len: int = _opt(2048, "prompt + output tokens per sequence (room for speculation is added on top)")
     # One process per target rank; more than one splits the torch target Megatron-style over
-    # torch.distributed (trtssd/runtime/tensor_parallel.py), so a model too big for one device runs.
+    # torch.distributed (trtssd/backends/tensor_parallel.py), so a model too big for one device runs.
     tensor_parallel_size: int = _opt(1, "target ranks: the torch target split over this many processes (gloo on CPU, "
                                      "NCCL on CUDA); must divide the model's attention and KV heads")
     prefix_cache_seqs: int = _opt(8, "finished requests whose prompt KV each rank keeps for reuse by a request "

@@ -12,15 +12,16 @@ import logging
 from typing import Iterator, Sequence
 
 from trtssd.config import Mode, ModelRef, RuntimeConfig, SpeculativeConfig, TargetBackend, speculative_config
+from trtssd.cores import cores_besides, pin, pin_thread, restore, split_cores
 from trtssd.devices import resolve_device
 from trtssd.engines import resolve_models
 from trtssd.models.engine_dir import MANIFEST, engine_speculation
 from trtssd.models.tokenizer import chat_prompt_ids, encode_text, load_tokenizer
-from trtssd.runtime.core_lending import core_lending, cores_besides, pin, pin_thread, restore, split_cores
+from trtssd.runtime.core_lending import core_lending
 from trtssd.runtime.launch import LAUNCHES, close_target, start_draft, start_target
 from trtssd.runtime.world import end_world_job
 from trtssd.runtime.metrics import SpeculationMetrics
-from trtssd.runtime.output_processor import OutputText, Prompt, RequestOutput, request_output
+from trtssd.text.output_processor import OutputText, Prompt, RequestOutput, request_output
 from trtssd.runtime.round_policy import calibrate_target
 from trtssd.runtime.target_loop import TargetLoop
 from trtssd.runtime.verifiers import Verifier

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trtssd.runtime.processes import ProcessTree
+from trtssd.processes import ProcessTree
 
 log = logging.getLogger(__name__)
 

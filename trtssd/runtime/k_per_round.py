@@ -13,7 +13,8 @@ speedup model's two terms, measured live (docs/algorithm.md section 8):
 
 - E[tokens | k] = 1 + sum over j <= k of the probability that the first j proposals pass, from
   per-position acceptance: position i's conditional rate (it passed, given every earlier one
-  did), counted over the rounds that verified it, as running sums that fade.
+  did), counted over the rounds that verified it, as running sums that fade
+  (`spec_decode.fanout.AcceptanceEstimator`, the estimate the draft's fan-out reads pooled).
 - verify(rows): the target's forward seconds by rows (a calibrated shape, `StepCostModel`, scaled
   by every verify observed); wait: the target's wait for the draft per round, a running average.
 
@@ -28,21 +29,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from trtssd.spec_decode.fanout import AcceptanceEstimator
 from trtssd.spec_decode.speedup import StepCostModel, decayed
 
 PRIOR_ACCEPTANCE = 0.7  # per position, before any evidence (the draft's own prior)
-
-
-@dataclass
-class _Position:
-    """Running sums of one draft position: rounds that verified it, and those where it passed."""
-
-    passed: float = PRIOR_ACCEPTANCE * 2
-    tested: float = 2.0
-
-    @property
-    def rate(self) -> float:
-        return self.passed / self.tested
+PRIOR_WEIGHT = 2.0  # positions' worth of evidence the prior counts as
+ROUNDS_REMEMBERED = 50  # the acceptance's memory, in rounds of one row that verify all K
 
 
 @dataclass
@@ -50,14 +42,14 @@ class LengthChooser:
     k_max: int
     verify_costs: StepCostModel = field(default_factory=StepCostModel)  # target forward seconds by rows
     explore_every: int = 16  # rounds between verifies of all K
-    fade: float = 0.98  # weight of the past in the per-position sums, per round
     wait_decay: float = 0.8
-    _positions: list[_Position] = field(default_factory=list)
+    acceptance: AcceptanceEstimator | None = None  # per position (default: the prior, ROUNDS_REMEMBERED)
     _wait_s: float = 0.0
     _rounds: int = 0
 
     def __post_init__(self) -> None:
-        self._positions = [_Position() for _ in range(self.k_max)]
+        if self.acceptance is None:
+            self.acceptance = AcceptanceEstimator(PRIOR_ACCEPTANCE, PRIOR_WEIGHT, ROUNDS_REMEMBERED * self.k_max)
 
     def choose(self, batch: int) -> int:
         """k for this round's verify at ``batch`` rows."""
@@ -72,17 +64,13 @@ class LengthChooser:
 
     def expected_tokens(self, k: int) -> float:
         tokens, all_passed = 1.0, 1.0
-        for position in self._positions[:k]:
-            all_passed *= position.rate
+        for position in range(k):
+            all_passed *= self.acceptance.rate(position)
             tokens += all_passed
         return tokens
 
     def observe(self, k: int, accepted: list[int], verify_rows: int, verify_s: float, wait_s: float) -> None:
         """One verified round: ``k`` proposals per row, ``accepted`` per row."""
-        for i, position in enumerate(self._positions[:k]):
-            tested = sum(1 for n in accepted if n >= i)  # rows whose earlier proposals all passed
-            passed = sum(1 for n in accepted if n > i)
-            position.tested = position.tested * self.fade + tested
-            position.passed = position.passed * self.fade + passed
+        self.acceptance.update(accepted, [k] * len(accepted))
         self.verify_costs.observe(verify_rows, verify_s)
         self._wait_s = decayed(self._wait_s, wait_s, self.wait_decay)

@@ -4,7 +4,7 @@ each for every caller (``LLM``, the TensorRT-LLM drafter).
 launch "spawn" starts the draft as its own MPI job (survives a dying draft), "world" uses the
 last rank of an ``mpiexec -n T+1`` job (trtssd/runtime/world.py), "local" runs it in this
 process (tests, debugging). A target of ``tensor_parallel_size`` T > 1 is rank 0 here plus T - 1
-followers (trtssd/runtime/tensor_parallel.py): processes this process starts (launch "spawn" or
+followers (trtssd/backends/tensor_parallel.py): processes this process starts (launch "spawn" or
 "local"), or ranks 1..T-1 of the mpiexec job (launch "world").
 """
 
@@ -15,11 +15,10 @@ from pathlib import Path
 
 from trtssd.backends.base import Executor
 from trtssd.backends.loading import load_executor
+from trtssd.backends.tensor_parallel import TensorParallelExecutor, start_tensor_parallel_target
 from trtssd.config import ModelRef, RuntimeConfig, SpeculativeConfig, TargetBackend, batch_tokens
-from trtssd.runtime.draft_client import DraftClient, LocalDraft
-from trtssd.runtime.draft_link import DraftLink
-from trtssd.runtime.draft_server import load_worker
-from trtssd.runtime.tensor_parallel import TensorParallelExecutor, start_tensor_parallel_target
+from trtssd.runtime.draft_client import DraftClient, DraftLink, LocalDraft
+from trtssd.runtime.draft_rank import load_worker
 from trtssd.runtime.world import world_groups
 
 LAUNCHES = ("spawn", "world", "local")

@@ -214,11 +214,6 @@ class RoundChooser:
         inferred = self._inferred(batch)
         return True if inferred is None else not inferred
 
-    def rate(self, speculative: bool, batch: int) -> float | None:
-        """Measured tokens/s of a choice at a batch size (None before any round of it)."""
-        b = self._by_batch.get(batch)
-        return None if b is None or speculative not in b.rates else b.rates[speculative].value
-
     # --- helpers -----------------------------------------------------------------------------
 
     def _entry(self, batch: int) -> _BatchSize:

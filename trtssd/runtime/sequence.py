@@ -1,6 +1,6 @@
 """One request on the target rank (`Sequence`, its only record) and what a step emitted for it
 (`StepOutput`). A sequence ends itself at a stop token or max_tokens (`Sequence.emit`); a stop
-string is the output processor's (trtssd/runtime/output_processor.py), which cuts the output
+string is the output processor's (trtssd/text/output_processor.py), which cuts the output
 where one completes."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ losing or corrupting anything.
 
 The loop deals in token ids only: stops by token (EOS, stop_token_ids, max_tokens) end a sequence
 here (`Sequence.emit`); text and stop strings are the output processor's
-(runtime/output_processor.py), which cuts the output where one completes and ends the sequence
+(trtssd/text/output_processor.py), which cuts the output where one completes and ends the sequence
 through `stop`.
 """
 

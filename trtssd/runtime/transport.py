@@ -40,6 +40,7 @@ MAX_POLL_INTERVAL_S = 0.005  # the longest sleep between polls of a long wait
 SPIN_POLLS = 20  # polls without sleeping at the start of a wait, when the answer is imminent
 RING_POLL_S = 0.05  # after a ring, poll this long: its message may still be on its way
 BLOCK_TIMEOUT_S = 1.0  # the longest a doorbell wait blocks before ``alive`` and the deadline are checked
+MPICH_SHM_PREFIXES = ("mpich_",)  # MPICH's shared memory under /dev/shm (MPI_Init makes it, MPI_Finalize removes it)
 
 
 def require_mpi(what: str):
@@ -49,7 +50,7 @@ def require_mpi(what: str):
     module import: importing it runs MPI_Init, and MPICH's MPI_Init creates a /dev/shm segment
     that only MPI_Finalize removes, so a killed launch="local" process (no MPI needed, mpi4py
     optional) would leave it behind. mpi4py's defaults stay as they were: THREAD_MULTIPLE (a
-    pending MPI accept runs on its own thread, draft_link) and MPI_Finalize at exit; and a user
+    pending MPI accept runs on its own thread, draft_client.DraftLink) and MPI_Finalize at exit; and a user
     script's own ``from mpi4py import MPI`` still initialises MPI as it always did.
     """
     try:

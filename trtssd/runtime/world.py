@@ -11,7 +11,7 @@ other than 0 to its part, so a script (or ``trtssd generate|serve --launch world
 At T = 1 the job is the target and the draft alone, and the draft talks to rank 0 over the
 whole world. At T > 1 two communicators are split from it (collectively, once per process, in
 the same order on every rank): the target ranks' (rank 0 tells its followers, over it, where
-its torch.distributed store listens; trtssd/runtime/tensor_parallel.py) and the link of rank 0
+its torch.distributed store listens; trtssd/backends/tensor_parallel.py) and the link of rank 0
 and the draft (the draft's round buffers are a shared window over these two ranks only).
 
 A lost rank ends the job. MPICH's mpiexec kills every rank when one dies (MPICH 5.0.2 does so
@@ -87,8 +87,8 @@ def _check_one_host(world: MPI.Intracomm) -> None:
 
 
 def _unlink_mpich_segments() -> None:
-    from trtssd.runtime.draft_link import MPICH_SHM_PREFIXES
-    from trtssd.runtime.processes import SHM_DIR, mapped_segments, remove_files
+    from trtssd.runtime.transport import MPICH_SHM_PREFIXES
+    from trtssd.processes import SHM_DIR, mapped_segments, remove_files
 
     removed = remove_files(SHM_DIR + name for name in mapped_segments(os.getpid(), MPICH_SHM_PREFIXES))
     log.debug("unlinked MPICH's segments, attached by every rank: %s", removed)
@@ -106,7 +106,7 @@ def serve_world_rank(tensor_parallel_size: int) -> bool:
 
         serve(groups.link, target_rank=0)
     else:
-        from trtssd.runtime.tensor_parallel_rank import serve_in_world
+        from trtssd.backends.tensor_parallel import serve_in_world
 
         serve_in_world(groups.targets)
     return True

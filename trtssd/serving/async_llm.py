@@ -20,8 +20,8 @@ import queue
 import threading
 
 from trtssd.llm import LLM
-from trtssd.runtime.core_lending import pin_thread
-from trtssd.runtime.output_processor import Delta, OutputText, RequestOutput, request_output
+from trtssd.cores import pin_thread
+from trtssd.text.output_processor import Delta, OutputText, RequestOutput, request_output
 from trtssd.runtime.sequence import Sequence, StepOutput
 from trtssd.sampling import SamplingParams
 

@@ -14,7 +14,7 @@ import enum
 from dataclasses import dataclass
 
 from trtssd.config import Source
-from trtssd.runtime.output_processor import RequestOutput
+from trtssd.text.output_processor import RequestOutput
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

@@ -36,7 +36,7 @@ import time
 import uuid
 from typing import Sequence
 
-from trtssd.runtime.output_processor import CompletionOutput, Delta, RequestOutput
+from trtssd.text.output_processor import CompletionOutput, Delta, RequestOutput
 from trtssd.sampling import TokenLogprob
 from trtssd.serving.openai_requests import Endpoint, GenerationRequest
 from trtssd.structured.tools import ToolCall, ToolStreamParser, parse_tool_calls

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from trtssd.runtime.output_processor import RequestOutput
+from trtssd.text.output_processor import RequestOutput
 from trtssd.serving.async_llm import AsyncLLM
 from trtssd.serving.metric_catalog import (ENGINE_INDEX, LABELS, METRICS, Kind, MetricDef, request_additions,
                                            series_from_start)

@@ -102,13 +102,16 @@ def _as_array(values: torch.Tensor | Sequence[int] | int) -> np.ndarray:
 
 
 class AcceptanceEstimator:
-    """Online estimate of the per-position acceptance rate a.
+    """Online acceptance of draft proposals, per position and pooled: the one estimate the
+    draft's fan-out (the i.i.d. a) and the target's K per round (position by position) read.
 
-    Under the i.i.d. model a round with n proposals and k accepted tested k + 1 positions (k
-    passes and the failing one) when k < n, and n positions when all passed; the maximum
-    likelihood estimate is sum(k) / sum(tested). Plain accepted/proposed would count positions
-    after a rejection as failures and underestimate a. Old evidence fades exponentially with a
-    time constant of ``window`` tested positions; the prior acts as ``prior_weight`` positions.
+    A round's row with n proposals verified and k accepted tested positions 0..k (k passes and
+    the failing one) when k < n, and 0..n-1 when all passed: position i is tested when every
+    proposal before it passed. Position i's estimate is its passed / tested; under the i.i.d.
+    model the maximum-likelihood a is the pooled ratio, sum(k) / sum(tested). Plain accepted /
+    proposed would count positions after a rejection as failures and underestimate a. Old
+    evidence fades exponentially with a time constant of ``window`` tested positions; the prior
+    acts as ``prior_weight`` positions, pooled and at each position.
     """
 
     def __init__(self, prior: float = 0.7, prior_weight: float = 10.0, window: float = 5000.0) -> None:
@@ -116,9 +119,11 @@ class AcceptanceEstimator:
             raise ValueError(f"prior must be in [0, 1], got {prior!r}")
         if prior_weight <= 0 or window <= 0:
             raise ValueError(f"prior_weight and window must be > 0, got {prior_weight!r}, {window!r}")
-        self._passed = prior * prior_weight
-        self._tested = float(prior_weight)
+        self._prior = float(prior)
+        self._weight = float(prior_weight)  # the prior's, faded with the evidence
         self._window = float(window)
+        self._passed: list[float] = []  # per position
+        self._tested: list[float] = []
 
     def update(
         self,
@@ -130,14 +135,27 @@ class AcceptanceEstimator:
         n = _as_array(num_proposed).astype(np.int64)
         if k.shape != n.shape or np.any(k < 0) or np.any(k > n):
             raise ValueError("num_accepted and num_proposed must have the same shape and 0 <= k <= n")
-        tested = float(np.sum(k + (k < n)))
-        fade = math.exp(-tested / self._window)
-        self._passed = self._passed * fade + float(k.sum())
-        self._tested = self._tested * fade + tested
+        positions = int(n.max(initial=0))
+        tested = [float(np.sum((n > i) & (k >= i))) for i in range(positions)]
+        fade = math.exp(-sum(tested) / self._window)
+        grow = max(0, positions - len(self._passed))
+        self._passed += [0.0] * grow
+        self._tested += [0.0] * grow
+        self._weight *= fade
+        for i in range(len(self._passed)):
+            self._passed[i] = self._passed[i] * fade + (float(np.sum(k > i)) if i < positions else 0.0)
+            self._tested[i] = self._tested[i] * fade + (tested[i] if i < positions else 0.0)
 
     @property
     def value(self) -> float:
-        return self._passed / self._tested
+        """The pooled acceptance a (the i.i.d. model's)."""
+        return (self._prior * self._weight + sum(self._passed)) / (self._weight + sum(self._tested))
+
+    def rate(self, position: int) -> float:
+        """Position ``position``'s acceptance: it passed, given every earlier one did."""
+        if position >= len(self._passed):
+            return self._prior
+        return (self._prior * self._weight + self._passed[position]) / (self._weight + self._tested[position])
 
 
 @dataclass(frozen=True)

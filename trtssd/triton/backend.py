@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from trtssd.llm import LLM
-from trtssd.runtime.output_processor import CompletionOutput, RequestOutput
+from trtssd.text.output_processor import CompletionOutput, RequestOutput
 from trtssd.serving.async_llm import AsyncLLM, LoopStopped, Overloaded, RequestStream
 from trtssd.triton.metrics import TritonMetrics
 from trtssd.triton.model_options import ModelOptions

@@ -6,7 +6,7 @@ the families of trtssd/serving/metric_catalog.py, which `trtssd serve`'s ``/metr
 
 from __future__ import annotations
 
-from trtssd.runtime.output_processor import RequestOutput
+from trtssd.text.output_processor import RequestOutput
 from trtssd.serving.metric_catalog import ENGINE_INDEX, LABELS, METRICS, request_additions, series_from_start
 
 

@@ -18,7 +18,7 @@ OPTIONS_FILE = "model.json"
 class ModelOptions:
     engine: str  # engine directory (absolute)
     # Keyword options of trtssd.LLM (mode, k, max_batch, ...). tensor_parallel_size T > 1: the model
-    # instance is the target's rank 0 and starts ranks 1..T-1 itself (trtssd/runtime/tensor_parallel.py).
+    # instance is the target's rank 0 and starts ranks 1..T-1 itself (trtssd/backends/tensor_parallel.py).
     llm: dict = field(default_factory=dict)
     max_waiting: int = DEFAULT_MAX_WAITING  # requests queued beyond max_batch before new ones are refused
     log_level: str = "WARNING"  # the model's Python logging level (in tritonserver's output)

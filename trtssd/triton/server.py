@@ -32,7 +32,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from trtssd.runtime.processes import ProcessTree
+from trtssd.processes import ProcessTree
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from trtssd.backends.loading import load_side
 from trtssd.bench.report import machine_info
 from trtssd.models.engine_dir import engine_speculation, load_manifest
-from trtssd.runtime.core_lending import pin
+from trtssd.cores import pin
 from trtssd.runtime.calibration import time_forwards, time_tree_steps
 
 log = logging.getLogger("kernels-vs-ggml")

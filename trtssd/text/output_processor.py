@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Sequence as Seq
 
-from trtssd.runtime.detokenizer import IncrementalDetokenizer
+from trtssd.text.detokenizer import IncrementalDetokenizer
 from trtssd.runtime.metrics import SpeculationMetrics
 from trtssd.runtime.sequence import Sequence, StepOutput
 from trtssd.sampling import TokenLogprob

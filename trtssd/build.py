@@ -49,7 +49,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from trtssd.config import ModelRef, speculative_config
+from trtssd.config import speculative_config
 from trtssd.hashing import file_sha256
 from trtssd.kernels.draft_layers import DEFAULT_MAX_TOKENS as FUSED_MAX_TOKENS
 from trtssd.kernels.cpu_extension import load_extension
@@ -57,7 +57,7 @@ from trtssd.models.config import ModelConfig
 from trtssd.models.catalog import DEFAULT_ENGINE, NAMED_ENGINES
 from trtssd.models.engine_dir import (
     DRAFT_DIR, DRAFT_FILE, DRAFT_GGUF, DRAFT_INT8, FORMAT_VERSION, MANIFEST, TARGET_DIR, TARGET_FILE, TARGET_INT8,
-    TOKENIZER_DIR, is_engine_dir,
+    TOKENIZER_DIR,
 )
 from trtssd.models.int8_dynamic import int8_checkpoint
 from trtssd.models.loader import (
@@ -675,18 +675,3 @@ def _manifest(recipe: Recipe, fingerprint: dict, target_cfg: ModelConfig, target
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         },
     }
-
-
-def resolve_models(engine: str | None, target: ModelRef | None, draft: ModelRef | None) -> tuple[ModelRef, ModelRef]:
-    """The (target, draft) pair to load: explicit refs, an engine directory, or the default."""
-    if target is not None:
-        if engine is not None:
-            raise ValueError("give either engine or target/draft, not both")
-        return target, draft if draft is not None else target
-    if draft is not None:
-        raise ValueError("a draft ModelRef needs a target ModelRef too")
-    if engine is None:
-        engine = str(default_engine())
-    if not is_engine_dir(engine):
-        raise ValueError(f"engine {engine!r} is not an engine directory (no manifest.json); build one with `trtssd build`")
-    return ModelRef(engine, "target"), ModelRef(engine, "draft")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 import logging
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -11,6 +14,13 @@ import numpy as np
 from trtssd.runtime.metrics import SpeculationMetrics
 
 log = logging.getLogger(__name__)
+
+
+def read_result(path: Path) -> dict:
+    """A result file, or its gzipped copy beside it (``<name>.gz``: docs/bench keeps large ones so)."""
+    if not path.exists() and path.with_name(path.name + ".gz").exists():
+        path = path.with_name(path.name + ".gz")
+    return json.loads(gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_text())
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ import logging
 from pathlib import Path
 from typing import Sequence
 
+from trtssd.bench.records import read_result
+
 log = logging.getLogger(__name__)
 
 LATENCIES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E"))
@@ -190,12 +192,13 @@ def _values(values) -> list[float]:
 
 
 def load_reports(dirs: Sequence[Path]) -> list[dict]:
-    """results.json of each directory; labels made unique with the directory name when they clash."""
+    """results.json (or results.json.gz, as docs/bench keeps large ones) of each directory; labels
+    made unique with the directory name when they clash."""
     reports = []
     for d in dirs:
         path = d / "results.json" if d.is_dir() else d
         try:
-            reports.append(json.loads(path.read_text()))
+            reports.append(read_result(path))
         except (OSError, ValueError) as err:
             raise ValueError(f"cannot read a serving benchmark result from {path}: {err}") from None
     labels = [r["label"] for r in reports]

@@ -5,12 +5,11 @@ beside the results.
     python docs/bench/chunked-prefill-burst/stalls.py [RESULTS_DIR]   # default round-between-prefills
 """
 
-import json
 import sys
 from pathlib import Path
 from statistics import median
 
-from trtssd.bench.records import percentile  # bench serve's own (numpy's linear interpolation)
+from trtssd.bench.records import percentile, read_result  # bench serve's own (numpy's linear interpolation)
 
 here = Path(__file__).parent / (sys.argv[1] if len(sys.argv) > 1 else "round-between-prefills")
 lines = ["| load | server | longest gap ms | ITL p99 ms | each request's longest, median ms | gaps > 0.5 s |",
@@ -23,8 +22,8 @@ def run_order(label: str) -> tuple[int, int]:
     return (int(n) + 1) // 2, ["before1", "after1", "after0", "before0"].index(f"{kind}{int(n) % 2}")
 
 
-labels = sorted((p.parent.name for p in here.glob("*/results.json")), key=run_order)
-runs = {label: json.loads((here / label / "results.json").read_text())["runs"] for label in labels}
+labels = sorted((p.parent.name for p in here.glob("*/results.json*")), key=run_order)
+runs = {label: read_result(here / label / "results.json")["runs"] for label in labels}
 for level in [run["name"] for run in runs[labels[0]]]:
     for label in labels:
         run = next(r for r in runs[label] if r["name"] == level)

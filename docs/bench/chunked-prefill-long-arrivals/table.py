@@ -4,6 +4,8 @@ import json
 import sys
 from pathlib import Path
 
+from trtssd.bench.records import read_result
+
 here = Path(__file__).parent
 labels = sys.argv[1:] or ["ar-whole", "ar-chunk-256", "ssd-whole", "ssd-chunk-256", "ssd-chunk-128", "ssd-chunk-512"]
 lines = ["# Short streams while long prompts arrive: whole-prompt prefill against chunks", "",
@@ -14,9 +16,9 @@ lines = ["# Short streams while long prompts arrive: whole-prompt prefill agains
          "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
 for label in labels:
     path = here / label / "result.json"
-    if not path.exists():
+    if not (path.exists() or path.with_name("result.json.gz").exists()):
         continue
-    run = json.loads(path.read_text())
+    run = read_result(path)
     s = run["summary"]
     itl, ttft, long = s["itl_by_kind"]["short"], s["ttft_by_kind"]["short"], s["ttft_by_kind"]["long"]
     rate = s["tokens_by_kind"]["short"] / run["wall_s"]

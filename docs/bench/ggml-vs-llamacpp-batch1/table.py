@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from trtssd.bench.records import read_result
+
 HERE = Path(__file__).resolve().parent
 DATASETS = ("humaneval", "chat", "math")
 # (label, layout folder, system as results.json names it), in the order the tables show them.
@@ -30,9 +32,9 @@ TEMPERATURES = (0.0, 0.8)
 def rates(engine: str, layout: str) -> dict[tuple[str, str, float], float]:
     """(system, dataset, temperature) -> tokens/s including prefill."""
     path = HERE / engine / layout / "results.json"
-    if not path.is_file():
+    if not (path.is_file() or path.with_name("results.json.gz").is_file()):
         return {}
-    runs = json.loads(path.read_text())["runs"]
+    runs = read_result(path)["runs"]
     return {(r["key"]["system"], r["key"]["dataset"], r["key"]["temperature"]): r["summary"]["tokens_per_s"]
             for r in runs if r["error"] is None}
 

@@ -1,13 +1,14 @@
 """compare.md from the runs beside this file: time to first token by turn, and over turns 3-8."""
 
-import json
 import statistics
 import sys
 from pathlib import Path
 
+from trtssd.bench.records import read_result
+
 here = Path(__file__).parent
 labels = sys.argv[1:] or ["cache-off-1", "cache-on-1", "cache-off-2", "cache-on-2"]
-runs = {label: json.loads((here / label / "result.json").read_text()) for label in labels}
+runs = {label: read_result(here / label / "result.json") for label in labels}
 lines = ["# Multi-turn chat: time to first token with and without prefix caching", "",
          "`bash docs/bench/multi-turn-prefix-cache/run.sh`; p50 over the sessions, ms.", "",
          "| run | load avg at start | " + " | ".join(f"turn {t}" for t in range(1, 9)) + " | turns 3-8 p50 | turns 3-8 p99 |",

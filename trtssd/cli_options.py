@@ -1,6 +1,6 @@
 """Command-line options made from the config dataclasses: one option per field of
-SpeculativeConfig and RuntimeConfig (trtssd/config.py), named after the field (``max_seq_len`` ->
-``--max-seq-len``), typed by it and helped by its ``help`` metadata. Every command that starts an
+SpeculativeConfig and RuntimeConfig (trtssd/config.py), named after the field (``max_model_len`` ->
+``--max-model-len``), typed by it and helped by its ``help`` metadata. Every command that starts an
 engine declares them through `add_engine_options` and reads them back with `engine_options`, so a
 new field reaches all of them at once and no two can drift apart.
 
@@ -18,7 +18,7 @@ import types
 import typing
 from typing import Any, Callable
 
-from trtssd.config import RuntimeConfig, SpeculativeConfig, speculative_config
+from trtssd.config import RENAMED_OPTIONS, RuntimeConfig, SpeculativeConfig, renamed_options, speculative_config
 from trtssd.structured.constraint import Constraint, ConstraintError
 
 # Each config's options in a group of their own, titled for `--help`.
@@ -42,6 +42,10 @@ def add_engine_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = 
         for f in dataclasses.fields(cls):
             if f.name not in skip:
                 group.add_argument(flag(f.name), dest=f.name, default=None, help=_help(f), **_kind(f, hints[f.name]))
+        for old, new in RENAMED_OPTIONS.items():
+            if new in cls.__dataclass_fields__ and new not in skip:
+                group.add_argument(flag(old), dest=old, default=None, help=f"deprecated: use {flag(new)}",
+                                   **_kind(cls.__dataclass_fields__[new], hints[new]))
     # Which they are, for engine_options: a skipped name may be the command's own option (bench's --k).
     parser.set_defaults(engine_fields=tuple(name for name in ENGINE_FIELDS if name not in skip))
 
@@ -59,8 +63,10 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     checked as LLM will check them, so that a bad value is said before anything loads and names
     its option."""
     given = {name: getattr(args, name) for name in args.engine_fields if getattr(args, name) is not None}
+    renamed = {old: getattr(args, old) for old in RENAMED_OPTIONS if getattr(args, old, None) is not None}
     spec = {name: value for name, value in given.items() if name in SpeculativeConfig.__dataclass_fields__}
     try:
+        given = renamed_options({**given, **renamed})
         speculative_config(spec)
         RuntimeConfig(**{name: value for name, value in given.items() if name not in spec})
     except ValueError as err:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -155,13 +156,31 @@ def speculative_config(given: Mapping[str, Any], defaults: Mapping[str, Any] | N
 
 LEND_DRAFT_CORES = ("exact", "always", "never")
 
+# Options renamed so that each word means one thing (docs/layout.md, glossary): old name -> new.
+# The old names keep working for one release, with a deprecation warning.
+RENAMED_OPTIONS = {"max_seq_len": "max_model_len"}
+
+
+def renamed_options(given: Mapping[str, Any]) -> dict[str, Any]:
+    """``given`` with each deprecated option name replaced by its new one (a FutureWarning each,
+    which Python shows by default); an option given under both names is a ValueError naming both."""
+    options = dict(given)
+    for old, new in RENAMED_OPTIONS.items():
+        if old in options:
+            if new in options:
+                raise ValueError(f"{new} and its deprecated name {old} were both given: give {new} only")
+            warnings.warn(f"option {old} is deprecated: use {new}", FutureWarning, stacklevel=3)
+            options[new] = options.pop(old)
+    return options
+
 
 @dataclass(frozen=True)
 class RuntimeConfig:
     """Process layout and capacity."""
 
     max_batch: int = _opt(8, "sequences in flight at once")
-    max_seq_len: int = _opt(2048, "prompt + output tokens per sequence (room for speculation is added on top)")
+    max_model_len: int = _opt(2048, "prompt + output tokens one request may hold (room for speculation is added on "
+                              "top); was --max-seq-len, which still works for one release")
     # One process per target rank; more than one splits the torch target Megatron-style over
     # torch.distributed (trtssd/backends/tensor_parallel.py), so a model too big for one device runs.
     tensor_parallel_size: int = _opt(1, "target ranks: the torch target split over this many processes (gloo on CPU, "
@@ -209,7 +228,7 @@ class RuntimeConfig:
         if (self.target_backend is TargetBackend.TRTLLM) != (self.trtllm_engine_dir is not None):
             raise ValueError("trtllm_engine_dir is required with target_backend 'trtllm' and allowed only with it; got "
                              f"target_backend {self.target_backend.value!r}, trtllm_engine_dir {self.trtllm_engine_dir!r}")
-        for name in ("max_batch", "max_seq_len", "target_threads", "draft_threads", "tensor_parallel_size"):
+        for name in ("max_batch", "max_model_len", "target_threads", "draft_threads", "tensor_parallel_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer; got {v!r}")
@@ -256,4 +275,4 @@ class ModelRef:
 
 def batch_tokens(spec: SpeculativeConfig, runtime: RuntimeConfig) -> int:
     """Tokens one forward may hold: a whole prompt, or every row's verify/glue/tree block."""
-    return runtime.max_seq_len + runtime.max_batch * (spec.budget + 2 * (spec.k + 1))
+    return runtime.max_model_len + runtime.max_batch * (spec.budget + 2 * (spec.k + 1))

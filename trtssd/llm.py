@@ -11,7 +11,8 @@ import dataclasses
 import logging
 from typing import Iterator, Sequence
 
-from trtssd.config import Mode, ModelRef, RuntimeConfig, SpeculativeConfig, TargetBackend, speculative_config
+from trtssd.config import (Mode, ModelRef, RuntimeConfig, SpeculativeConfig, TargetBackend, renamed_options,
+                           speculative_config)
 from trtssd.cores import cores_besides, pin, pin_thread, restore, split_cores
 from trtssd.devices import resolve_device
 from trtssd.engines import resolve_models
@@ -56,6 +57,7 @@ class LLM:
 
     def __init__(self, engine: str | None = None, *, target: ModelRef | None = None,
                  draft: ModelRef | None = None, launch: str = "spawn", **options):
+        options = renamed_options(options)
         spec_opts = {k: options.pop(k) for k in list(options) if k in SpeculativeConfig.__dataclass_fields__}
         run_opts = {k: options.pop(k) for k in list(options) if k in RuntimeConfig.__dataclass_fields__}
         if options:
@@ -115,7 +117,7 @@ class LLM:
         # The round policy's calibration: timed forwards (seconds; stored per machine and model).
         costs = calibrate_target(executor, self.spec, rt.max_batch, link.step_s if link is not None else None, lending,
                                  executor_verifies=verifier is None)
-        return TargetLoop(executor, self.spec, rt.max_batch, rt.max_seq_len, _eos_ids(self.tokenizer), link,
+        return TargetLoop(executor, self.spec, rt.max_batch, rt.max_model_len, _eos_ids(self.tokenizer), link,
                           verifier, lending, prefix_cache_seqs=rt.prefix_cache_seqs, prefill_chunk=rt.prefill_chunk,
                           grammars=grammars, costs=costs)
 
@@ -219,8 +221,8 @@ class LLM:
 
     @property
     def max_model_len(self) -> int:
-        """Prompt plus output tokens one request may hold (RuntimeConfig.max_seq_len)."""
-        return self.runtime.max_seq_len
+        """Prompt plus output tokens one request may hold (RuntimeConfig.max_model_len)."""
+        return self.runtime.max_model_len
 
     @property
     def draft_state(self) -> str:

@@ -27,8 +27,8 @@ PRESETS = {
 
 # Engine options each run sets itself: the system gives the mode (and plain_under_load: "auto"
 # against "ssd"), --k and --budget sweep K and the fan-out budget (a fixed fan-out would tie K),
-# --batch gives max_batch and the longest prompt gives max_seq_len.
-SWEPT = ("mode", "k", "fanout", "fanout_budget", "plain_under_load", "max_batch", "max_seq_len")
+# --batch gives max_batch and the longest prompt gives max_model_len.
+SWEPT = ("mode", "k", "fanout", "fanout_budget", "plain_under_load", "max_batch", "max_model_len")
 
 
 def _ints(text: str) -> tuple[int, ...]:

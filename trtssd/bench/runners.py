@@ -25,7 +25,7 @@ class TrtssdRunner:
         from trtssd.llm import LLM
 
         mode = "ssd" if system == "auto" else system
-        options = dict(cfg.llm_options, mode=mode, max_batch=max(cfg.batch_sizes), max_seq_len=max_seq_len,
+        options = dict(cfg.llm_options, mode=mode, max_batch=max(cfg.batch_sizes), max_model_len=max_seq_len,
                        target_device=cfg.target_device, draft_device=cfg.draft_device,
                        lend_draft_cores=cfg.lend_draft_cores)
         if mode != "ar":

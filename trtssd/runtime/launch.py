@@ -25,8 +25,8 @@ LAUNCHES = ("spawn", "world", "local")
 
 
 def target_seq_len(spec: SpeculativeConfig, runtime: RuntimeConfig) -> int:
-    """Positions the target holds per sequence: room for the verify block on top of max_seq_len."""
-    return runtime.max_seq_len + spec.k + 1
+    """Positions the target holds per sequence: room for the verify block on top of max_model_len."""
+    return runtime.max_model_len + spec.k + 1
 
 
 def draft_seq_len(spec: SpeculativeConfig, runtime: RuntimeConfig) -> int:

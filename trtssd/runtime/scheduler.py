@@ -111,7 +111,7 @@ class Scheduler:
             # The prompt is at fault when it leaves no room for a single output token.
             raise FieldError("prompt" if len(prompt) >= self.max_model_len else "max_tokens",
                              f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {need} exceeds "
-                             f"max_seq_len {self.max_model_len}: shorten the prompt or lower max_tokens")
+                             f"max_model_len {self.max_model_len}: shorten the prompt or lower max_tokens")
         self.honours(params)
         if params.constraint is not None:
             if self.grammars is None:

@@ -111,7 +111,7 @@ class TritonModel:
         try:
             await self._check_constraint(job)
             stream = self.async_llm.submit(job.prompt_ids, job.params)
-        except ValueError as err:  # the loop's own checks: prompt + max_tokens within max_seq_len, n within max_batch
+        except ValueError as err:  # the loop's own checks: prompt + max_tokens within max_model_len, n within max_batch
             self._send_error(sender, _named(err), self.pb.TritonError.INVALID_ARG)
             return
         except (Overloaded, LoopStopped) as err:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import trtssd
 from trtssd.build import default_engine
-from trtssd.config import RuntimeConfig, SpeculativeConfig, speculative_config
+from trtssd.config import RuntimeConfig, SpeculativeConfig, renamed_options, speculative_config
 from trtssd.models.engine_dir import is_engine_dir
 from trtssd.triton.model_options import ModelOptions
 from trtssd.triton.tensors import INPUTS, OUTPUTS, TensorDef
@@ -43,7 +43,7 @@ def write_repository(out: str | os.PathLike, engine: str | None = None, llm_opti
     options of trtssd.LLM. options: the other ModelOptions fields (max_waiting, log_level).
     instance_kind: "cpu" (one instance: the engine batches) or "gpu" (one instance per device
     of ``gpus``; unverified: not yet run on a GPU)."""
-    llm_options = dict(llm_options or {})
+    llm_options = renamed_options(llm_options or {})  # the repository is written with today's names
     _check_llm_options(llm_options)
     if instance_kind not in INSTANCE_KINDS:
         raise ValueError(f"instance_kind must be one of {INSTANCE_KINDS}; got {instance_kind!r}")

@@ -71,7 +71,7 @@ class EngineLimits:
     """Shapes the engines are built for; the defaults follow trtssd's own (trtssd/config.py)."""
 
     max_batch_size: int = RuntimeConfig.max_batch  # sequences in flight (the dataclass default)
-    max_seq_len: int = RuntimeConfig.max_seq_len  # prompt + output tokens per sequence
+    max_seq_len: int = RuntimeConfig.max_model_len  # prompt + output tokens per sequence (trtllm-build's name)
     # TensorRT-LLM dtype of weights and activations: its kernels run fp16/bf16, not our CPU fp32.
     dtype: str = "bfloat16"
 

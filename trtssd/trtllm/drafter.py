@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from trtssd.engines import resolve_models
-from trtssd.config import Mode, ModelRef, RuntimeConfig, SpeculativeConfig
+from trtssd.config import Mode, ModelRef, RuntimeConfig, SpeculativeConfig, renamed_options
 from trtssd.runtime import protocol as P
 from trtssd.runtime.draft_client import DraftClient
 from trtssd.runtime.launch import start_draft
@@ -165,6 +165,7 @@ class SSDDraftSource:
 
 def _configs(options: dict) -> tuple[SpeculativeConfig, RuntimeConfig]:
     """SpeculativeConfig and RuntimeConfig from keyword options, as ``LLM`` takes them."""
+    options = renamed_options(options)
     spec_opts = {k: v for k, v in options.items() if k in SpeculativeConfig.__dataclass_fields__}
     run_opts = {k: v for k, v in options.items() if k in RuntimeConfig.__dataclass_fields__}
     unknown = sorted(set(options) - set(spec_opts) - set(run_opts))

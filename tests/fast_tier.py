@@ -41,10 +41,10 @@ PROCESS_FIXTURES = frozenset({
 
 LONG_TESTS = frozenset({
     "tests/test_async_llm.py::test_abort_frees_waiting_and_running_requests_on_both_ranks",
-    "tests/test_calibration_cache.py::test_an_unreadable_calibration_is_timed_again_and_replaced",
-    "tests/test_calibration_cache.py::test_another_k_model_or_thread_count_times_again",
-    "tests/test_calibration_cache.py::test_deleting_the_cache_or_turning_it_off_times_again",
-    "tests/test_calibration_cache.py::test_the_second_start_does_not_time_again",
+    "tests/test_calibration.py::test_an_unreadable_calibration_is_timed_again_and_replaced",
+    "tests/test_calibration.py::test_another_k_model_or_thread_count_times_again",
+    "tests/test_calibration.py::test_deleting_the_cache_or_turning_it_off_times_again",
+    "tests/test_calibration.py::test_the_second_start_does_not_time_again",
     "tests/test_draft_layers.py::test_fused_layers_match_torch_int4_layers",
     "tests/test_draft_layers.py::test_tree_branches_do_not_see_each_other",
     "tests/test_draft_worker.py::test_glue_on_a_hit_reuses_the_branch_and_matches_a_fresh_decode",
@@ -75,7 +75,7 @@ LONG_TESTS = frozenset({
     "tests/test_target_loop.py::test_verified_rows_are_the_rows_the_draft_sampled_from",
     "tests/test_tensor_parallel.py::test_one_way_split_is_the_plain_model",
     "tests/test_tensor_parallel.py::test_split_logits_equal_unsplit",
-    "tests/test_tree_attention_kernel.py::test_interpreter_matches_reference",
+    "tests/test_tree_attention_triton.py::test_interpreter_matches_reference",
     "tests/test_verify.py::test_point_mass_proposals_against_a_truncated_target",
 })
 

@@ -50,3 +50,17 @@ def queue():
         return seq.seq_id
 
     return add
+
+
+@pytest.fixture
+def no_leaked_shared_memory():
+    """The test leaves /dev/shm and the temporary directory as it found them: no buffer of ours,
+    no segment or hydra file of MPICH's (tests/draft_jobs.py)."""
+    from draft_jobs import hydra_files, in_use_segments, open_hydra_files, shm_segments
+
+    before, hydra_before = shm_segments(), hydra_files()
+    yield
+    leaked = shm_segments() - before - in_use_segments()
+    assert not leaked, f"shared memory left behind: {sorted(leaked)}"
+    leaked_files = hydra_files() - hydra_before - open_hydra_files()
+    assert not leaked_files, f"MPICH hydra files left behind: {sorted(leaked_files)}"

@@ -1,7 +1,4 @@
-"""Model code and weight loading against transformers' own implementations (tiny random models).
-
-Also home of the tiny-model builders that tests/test_executor.py imports.
-"""
+"""Model code and weight loading against transformers' own implementations (tiny random models)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ others take its KV on the target and on the draft), each sample is exact (greedy
 request, bit for bit on ggml; a seeded sample j is the request seeded `sample_seed(seed, j)`),
 unseeded samples are independent draws, aborts end every sample, and bad values are refused
 naming ``n``. On torch (the tiny pair) and ggml (a tiny GGUF) executors, the draft in this process.
-The servers' n (OpenAI choices, Triton's num_return_sequences) are tested in test_serving.py and
+The servers' n (OpenAI choices, Triton's num_return_sequences) are tested in test_openai_server.py and
 test_triton.py."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from test_target_loop import _Alternate
+from local_llm import Alternate
 from tiny_models import make_tiny_pair
 from trtssd import LLM, ModelRef, SamplingParams
 from trtssd.sampling import FieldError
@@ -51,7 +51,7 @@ def _generate(pair, mode: str, prompts, params, pattern=None, **options) -> tupl
     options = {"k": 3, "max_batch": len(prompts), "max_seq_len": 128, "plain_under_load": False, **options}
     with LLM(target=target, draft=draft, mode=mode, launch="local", **options) as llm:
         if pattern is not None:
-            llm.loop.policy.chooser = _Alternate(pattern)
+            llm.loop.policy.chooser = Alternate(pattern)
         outs = llm.generate(prompts, params)
         assert llm.metrics.degraded_rounds == 0
         return [o.token_ids for o in outs], llm.metrics.summary()

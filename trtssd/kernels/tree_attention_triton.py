@@ -24,7 +24,7 @@ decides at its own first import whether its language library is interpreted
 asks Triton which mode it is in (``interpreter_active``) when a kernel is first launched.
 
 GPU status: UNVERIFIED on a GPU until scripts/gpu_check.sh has run (see docs/gpu.md). On CPU it
-is checked against the reference under the interpreter (tests/test_tree_attention_kernel.py).
+is checked against the reference under the interpreter (tests/test_tree_attention_triton.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
-"""The draft's start-up calibration is stored per machine and model and reused at the next start."""
+"""Calibration (trtssd/runtime/calibration.py) is a step of its own, the launcher's: constructing
+the ranks times nothing. The draft's start-up calibration is stored per machine and model and
+reused at the next start."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,6 +15,8 @@ from trtssd.config import Mode, SpeculativeConfig
 from trtssd.runtime import draft_worker as dw
 from trtssd.runtime import calibration as sm
 from trtssd.runtime.draft_worker import DraftWorker
+from trtssd.runtime.round_policy import calibrate_target
+from trtssd.runtime.target_loop import TargetLoop
 
 K = 3
 
@@ -92,3 +97,23 @@ def test_an_unreadable_calibration_is_timed_again_and_replaced(model_dir, cache,
     _worker(model_dir).calibrate(context=16, max_rows=8)
     assert timed.count("time_forwards") == 2
     assert set(json.loads(stored.read_text())) >= {"chain", "tree", "fields"}
+
+
+def test_constructing_a_loop_or_a_draft_worker_times_nothing_and_writes_nothing(tiny_pair, tmp_path, monkeypatch):
+    """Calibration is a step of its own, the launcher's (`round_policy.calibrate_target`,
+    `DraftWorker.calibrate`): a TargetLoop and a DraftWorker constructed with every adaptive
+    option on (load control with the draft's costs, K per round, prefix caching) run no forward
+    and write no file; the calibration step then does both."""
+    cache = tmp_path / "calibration"  # absent: a stored calibration would create it
+    monkeypatch.setenv("TRTSSD_CALIBRATION_CACHE", str(cache))
+    forwards = []
+    executors = [TorchExecutor.from_pretrained(str(path), max_seqs=6, max_seq_len=256) for path in tiny_pair]
+    for ex in executors:
+        monkeypatch.setattr(ex, "forward", lambda chunks, run=ex.forward: forwards.append(len(chunks)) or run(chunks))
+    spec = SpeculativeConfig(mode="ssd", plain_under_load=True, k_per_round=True)
+    draft = SimpleNamespace(alive=True, pid=None, step_s={1: 0.01, 8: 0.05})  # the draft's calibrated forwards
+    TargetLoop(executors[0], spec, max_batch=4, max_model_len=200, draft=draft, prefix_cache_seqs=2)
+    DraftWorker(executors[1], spec, prefix_cache_seqs=2)
+    assert not forwards and not cache.exists()
+    costs = calibrate_target(executors[0], spec, 4, draft.step_s, lending=None)
+    assert forwards and costs.forwards and costs.plain and len(list(cache.iterdir())) == 1

@@ -443,7 +443,7 @@ def run_mode(models: dict, prompts: list, mode: str, launch: str, max_tokens: in
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     # plain_under_load off: the check is about the speculative path, which load control could skip
     with LLM(**models, mode=mode, launch=launch, target_device=device, draft_device=device, max_batch=1,
-             max_seq_len=512, plain_under_load=False) as llm:
+             max_model_len=512, plain_under_load=False) as llm:
         row["start_s"] = round(time.perf_counter() - t0, 2)
         row["transport"] = None if mode == "ar" else llm.runtime.resolved_transport.value
         if launch == "local" and mode != "ar":

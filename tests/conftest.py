@@ -21,13 +21,13 @@ def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_pair):
-    """Opens an `LLM` on ``tiny_pair`` in this process (ssd and max_seq_len 256 unless given), with
+    """Opens an `LLM` on ``tiny_pair`` in this process (ssd and max_model_len 256 unless given), with
     any other option; ``target``: a copy of the tiny target (with a tokenizer, say) instead."""
     from trtssd import LLM, ModelRef
 
     def make(target: Path | None = None, **options):
         return LLM(target=ModelRef(str(target or tiny_pair[0])), draft=ModelRef(str(tiny_pair[1])),
-                   launch="local", **{"mode": "ssd", "max_seq_len": 256, **options})
+                   launch="local", **{"mode": "ssd", "max_model_len": 256, **options})
 
     return make
 

@@ -18,9 +18,9 @@ from trtssd.processes import mapped_segments, open_files, start_time
 
 
 def spawned_llm(pair: tuple[Path, Path], mode: str, **kw) -> LLM:
-    """``pair``'s target here, its draft its own MPI job, max_seq_len 256."""
+    """``pair``'s target here, its draft its own MPI job, max_model_len 256."""
     target, draft = pair
-    kw.setdefault("max_seq_len", 256)
+    kw.setdefault("max_model_len", 256)
     # On these tiny models a plain target step costs less than an MPI round trip, so load
     # control would decode most rounds plainly; the tests are about the speculative paths.
     kw.setdefault("plain_under_load", False)

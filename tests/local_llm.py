@@ -12,9 +12,9 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10] * 12, [3, 1, 4, 1, 5, 9, 2, 6], [42]
 
 
 def local_llm(pair: tuple[Path, Path], mode: str, draft: Path | None = None, **kw) -> LLM:
-    """``pair``'s target with its draft (or ``draft``) in this process, max_seq_len 256."""
+    """``pair``'s target with its draft (or ``draft``) in this process, max_model_len 256."""
     target, default_draft = pair
-    kw.setdefault("max_seq_len", 256)
+    kw.setdefault("max_model_len", 256)
     kw.setdefault("plain_under_load", False)  # every round speculates, unless a test is about load control
     return LLM(target=ModelRef(str(target)), draft=ModelRef(str(draft or default_draft)), mode=mode,
                launch="local", **kw)

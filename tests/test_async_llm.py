@@ -17,7 +17,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 
 def _llm(tiny_pair, mode: str = "ssd", **kw) -> LLM:
-    kw.setdefault("max_seq_len", 256)
+    kw.setdefault("max_model_len", 256)
     return LLM(target=ModelRef(str(tiny_pair[0])), draft=ModelRef(str(tiny_pair[1])), mode=mode, launch="local",
                plain_under_load=False, **kw)
 

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def url():
-    with LLM(mode="ssd", launch="local", max_batch=3, max_seq_len=1024, fanout=(2, 1, 1, 1, 1, 1)) as llm:
+    with LLM(mode="ssd", launch="local", max_batch=3, max_model_len=1024, fanout=(2, 1, 1, 1, 1, 1)) as llm:
         with BackgroundServer(OpenAIServer(llm, "smol")) as bg:
             yield bg.url
 

@@ -188,7 +188,7 @@ def test_bench_serve_on_the_ggml_engine(tmp_path):
     from trtssd.serving.openai_server import OpenAIServer
     from trtssd.serving.uvicorn_runner import BackgroundServer
 
-    with LLM(str(GGML_ENGINE), mode="ar", max_batch=1, max_seq_len=512) as llm:
+    with LLM(str(GGML_ENGINE), mode="ar", max_batch=1, max_model_len=512) as llm:
         with BackgroundServer(OpenAIServer(llm, "smol")) as bg:
             cfg = ServeConfig(base_url=bg.url, endpoint="/v1/chat/completions", datasets=(_workload(tmp_path, 2),),
                               num_prompts=2, max_tokens=48, loads=(Load(1),), out_dir=tmp_path / "out", plots=False,

@@ -28,7 +28,7 @@ GIVEN = {
     "plain_under_load": (["--no-plain-under-load"], False), "k_per_round": (["--k-per-round"], True),
     "max_batch": (["--max-batch", "2"], 2), "prefix_cache_seqs": (["--prefix-cache-seqs", "0"], 0),
     "prefill_chunk": (["--prefill-chunk", "512"], 512),
-    "max_seq_len": (["--max-seq-len", "256"], 256), "tensor_parallel_size": (["--tensor-parallel-size", "2"], 2),
+    "max_model_len": (["--max-model-len", "256"], 256), "tensor_parallel_size": (["--tensor-parallel-size", "2"], 2),
     "target_threads": (["--target-threads", "2"], 2),
     "draft_threads": (["--draft-threads", "3"], 3), "target_cores": (["--target-cores", "0,1"], (0, 1)),
     "draft_cores": (["--draft-cores", "2"], (2,)), "poll_interval_s": (["--poll-interval-s", "0.001"], 0.001),
@@ -100,10 +100,34 @@ def test_bench_passes_every_option_it_does_not_sweep_to_its_llms(monkeypatch):
     assert (cfg.ks, cfg.budgets) == ((3, 5), (6, 12))
     runners.TrtssdRunner(cfg, "ssd", 3, 6, 256)
     assert {name: seen[0][name] for name in names} == {name: GIVEN[name][1] for name in names}
-    assert (seen[0]["mode"], seen[0]["k"], seen[0]["fanout_budget"], seen[0]["max_seq_len"]) == ("ssd", 3, 6, 256)
+    assert (seen[0]["mode"], seen[0]["k"], seen[0]["fanout_budget"], seen[0]["max_model_len"]) == ("ssd", 3, 6, 256)
     defaults = bench_cli.config_from_args(bench_cli.build_parser().parse_args([]))
     assert (defaults.backup, defaults.lend_draft_cores, defaults.target_device, defaults.llm_options) == \
         ("auto", "exact", "cpu", {})
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_renamed_option_keeps_its_old_flag_for_one_release(command):
+    """--max-seq-len (the old name of --max-model-len) still sets max_model_len, with a
+    FutureWarning; both at once is a usage error naming both."""
+    parse = lambda *words: engine_options(_subparser(command).parse_args([*COMMANDS[command][1:], *words]))  # noqa: E731
+    with pytest.warns(FutureWarning, match="max_seq_len is deprecated: use max_model_len"):
+        assert parse("--max-seq-len", "300")["max_model_len"] == 300
+    with pytest.raises(ValueError, match="--max-model-len: max_model_len and its deprecated name max_seq_len"):
+        parse("--max-model-len", "300", "--max-seq-len", "200")
+    assert "deprecated: use --max-model-len" in _subparser(command).format_help()
+
+
+def test_a_renamed_option_keeps_its_old_keyword_for_one_release():
+    """LLM(max_seq_len=...) is LLM(max_model_len=...) with a FutureWarning, checked under the new
+    name before anything loads."""
+    from trtssd import LLM
+
+    with pytest.warns(FutureWarning, match="max_seq_len is deprecated"), \
+            pytest.raises(ValueError, match="max_model_len must be a positive integer; got 0"):
+        LLM(max_seq_len=0)
+    with pytest.raises(ValueError, match="max_model_len and its deprecated name max_seq_len were both given"):
+        LLM(max_seq_len=64, max_model_len=64)
 
 
 def test_fanout_auto_and_a_fanout_that_fixes_k():
@@ -141,9 +165,9 @@ def test_a_bad_value_is_a_usage_error_naming_its_option(command, words, said, ca
 @pytest.mark.parametrize("line", [  # as README.md, docs/, scripts/ and the tests write them
     "generate --mode ssd --max-tokens 96 --prompt hi",
     "generate --engine engines/smollm2-135m-ggml --mode ar --launch world",
-    "generate --target t --draft d --launch local --max-seq-len 128",
+    "generate --target t --draft d --launch local --max-model-len 128",
     "serve --port 0 --engine e --mode ar --max-batch 4 --served-model-name m --api-key k --launch local",
-    "triton-repo --out r --engine e --mode ssd --max-batch 4 --max-seq-len 256 --fanout 2,1,1,1,1,1",
+    "triton-repo --out r --engine e --mode ssd --max-batch 4 --max-model-len 256 --fanout 2,1,1,1,1,1",
     "triton-repo --out r --target-device cuda:1 --draft-device cuda --transport cuda_ipc --instance-kind gpu",
 ])
 def test_documented_command_lines_still_parse(line):

@@ -42,7 +42,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def ar_tokens(prompts) -> list[list[int]]:
-    with LLM(mode="ar", max_batch=4, max_seq_len=512) as llm:
+    with LLM(mode="ar", max_batch=4, max_model_len=512) as llm:
         out = [o.token_ids for o in llm.generate(prompts, PARAMS)]
     assert all(len(o) == N_TOKENS for o in out)
     return out
@@ -53,7 +53,7 @@ def _mismatches(reference: list[list[int]], got: list[list[int]]) -> list[int]:
 
 
 def test_greedy_ssd_equals_ar_at_batch_4_and_1(prompts, ar_tokens):
-    with LLM(mode="ssd", max_batch=4, max_seq_len=512, plain_under_load=False) as llm:
+    with LLM(mode="ssd", max_batch=4, max_model_len=512, plain_under_load=False) as llm:
         batched = [o.token_ids for o in llm.generate(prompts, PARAMS)]
         single = [llm.generate([p], PARAMS)[0].token_ids for p in prompts[:N_SINGLE]]
         summary = llm.metrics.summary()

@@ -50,7 +50,7 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10] * 12]
 
 def _generate(tiny, mode: str, launch: str = "spawn", **kw) -> list[list[int]]:
     target, draft = tiny
-    with LLM(target=ModelRef(str(target)), draft=ModelRef(str(draft)), mode=mode, launch=launch, max_seq_len=128,
+    with LLM(target=ModelRef(str(target)), draft=ModelRef(str(draft)), mode=mode, launch=launch, max_model_len=128,
              plain_under_load=False, **kw) as llm:
         assert llm.runtime.target_device == kw.get("target_device", "cpu")
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))
@@ -252,10 +252,10 @@ class NoMPI:  # this interpreter has no mpi4py
 sys.meta_path.insert(0, NoMPI())
 from trtssd import LLM, ModelRef, SamplingParams
 target, draft = ModelRef(sys.argv[1]), ModelRef(sys.argv[2])
-with LLM(target=target, draft=draft, mode='ssd', launch='local', max_seq_len=64, plain_under_load=False) as llm:
+with LLM(target=target, draft=draft, mode='ssd', launch='local', max_model_len=64, plain_under_load=False) as llm:
     print(llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8))[0].token_ids)
 try:
-    LLM(target=target, draft=draft, mode='sd', max_seq_len=64)
+    LLM(target=target, draft=draft, mode='sd', max_model_len=64)
 except RuntimeError as err:
     print('spawn:', err)
 """

@@ -177,7 +177,7 @@ def test_draft_that_fails_to_load_is_reported_at_once(tiny_pair, tmp_path):
     draft to time out; the buffers made for it are freed (checked by no_leaked_shared_memory)."""
     target, _ = tiny_pair
     with pytest.raises(RuntimeError, match="draft rank did not start.*FileNotFoundError"):
-        LLM(target=ModelRef(str(target)), draft=ModelRef(str(tmp_path)), mode="ssd", max_seq_len=256)
+        LLM(target=ModelRef(str(target)), draft=ModelRef(str(tmp_path)), mode="ssd", max_model_len=256)
 
 
 @pytest.mark.mpi
@@ -194,7 +194,7 @@ def test_draft_that_dies_before_connecting_is_reported_and_mpi_ends_cleanly(tiny
     script.write_text(
         "from trtssd import LLM, ModelRef\n"
         "try:\n"
-        f"    LLM(target=ModelRef({str(target)!r}), draft=ModelRef({str(draft)!r}), mode='ssd', max_seq_len=128)\n"
+        f"    LLM(target=ModelRef({str(target)!r}), draft=ModelRef({str(draft)!r}), mode='ssd', max_model_len=128)\n"
         "except RuntimeError as err:\n"
         "    print(err)\n"
     )

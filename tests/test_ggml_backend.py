@@ -254,9 +254,9 @@ def test_tiny_gguf_greedy_equals_ar(tiny_gguf, mode):
     ref = ModelRef(str(tiny_gguf), backend="ggml")
     prompts = [[5, 6, 7, 8], [9, 10, 11], [300, 301, 302, 303, 304], [40]]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    with LLM(target=ref, draft=ref, mode="ar", launch="local", max_batch=4, max_seq_len=128) as llm:
+    with LLM(target=ref, draft=ref, mode="ar", launch="local", max_batch=4, max_model_len=128) as llm:
         expected = [o.token_ids for o in llm.generate(prompts, params)]
-    with LLM(target=ref, draft=ref, mode=mode, launch="local", k=3, max_batch=4, max_seq_len=128,
+    with LLM(target=ref, draft=ref, mode=mode, launch="local", k=3, max_batch=4, max_model_len=128,
              plain_under_load=False) as llm:
         batch4 = [o.token_ids for o in llm.generate(prompts, params)]
         batch1 = [llm.generate([p], params)[0].token_ids for p in prompts[:2]]
@@ -271,7 +271,7 @@ def test_default_engine_on_ggml_greedy_equals_ar(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     outs = {}
     for mode in ("ar", "sd", "ssd"):
-        with LLM(str(engine), mode=mode, max_batch=4, max_seq_len=256, plain_under_load=False) as llm:
+        with LLM(str(engine), mode=mode, max_batch=4, max_model_len=256, plain_under_load=False) as llm:
             outs[mode] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["sd"] == outs["ar"] and outs["ssd"] == outs["ar"]
 
@@ -291,7 +291,7 @@ def test_without_row_invariance_forwards_go_to_llama_cpp_whole(tmp_path, smollm2
     engine = build_engine(out_dir=tmp_path, backend="ggml", progress=False)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     for mode in ("ar", "ssd"):
-        with LLM(str(engine), mode=mode, max_batch=4, max_seq_len=256, plain_under_load=False,
+        with LLM(str(engine), mode=mode, max_batch=4, max_model_len=256, plain_under_load=False,
                  row_invariant=False) as llm:
             assert llm.loop.target.row_invariant is False
             outs = llm.generate(["def fibonacci(n):", "The capital of France is"], params)
@@ -306,10 +306,10 @@ def test_a_lone_plain_row_verifies_an_ngram_guess_in_its_filler_row(tmp_path, mo
     engine = build_engine(out_dir=tmp_path, backend="ggml", progress=False)
     prompt = "Count: " + ", ".join(str(i % 10) for i in range(150))  # past 256 cells: filler rows
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    with LLM(str(engine), mode="ar", max_batch=2, max_seq_len=512) as llm:
+    with LLM(str(engine), mode="ar", max_batch=2, max_model_len=512) as llm:
         ar = llm.generate([prompt], params)[0].token_ids
         assert llm.metrics.summary()["spare_row_guesses"] == 0  # ar rounds are the reference
-    with LLM(str(engine), mode="sd", max_batch=2, max_seq_len=512) as llm:
+    with LLM(str(engine), mode="sd", max_batch=2, max_model_len=512) as llm:
         monkeypatch.setattr(llm.loop.policy, "speculate", lambda rows: False)  # load control: plain rounds
         out = llm.generate([prompt], params)[0]
         summary = llm.metrics.summary()

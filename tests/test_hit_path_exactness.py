@@ -126,7 +126,7 @@ def _run(pair, mutate: bool, draft_ref: ModelRef | None = None):
     target, draft = pair
     torch.manual_seed(0)  # unseeded requests: the draft keeps Saguaro's skew (seeded rows do not)
     with LLM(target=ModelRef(str(target)), draft=draft_ref or ModelRef(str(draft)), mode="ssd", k=1, launch="local",
-             fanout=(2, 6), backup="neural", saguaro_c=0.3, plain_under_load=False, max_batch=16, max_seq_len=32) as llm:
+             fanout=(2, 6), backup="neural", saguaro_c=0.3, plain_under_load=False, max_batch=16, max_model_len=32) as llm:
         if mutate:
             _ship_plain_q_from_the_tree(llm.loop.draft.server.worker)
         prompts = [PROMPT] * (N + N // 7)
@@ -149,7 +149,7 @@ def test_hits_carry_the_checked_tokens_and_the_output_is_exact(pair):
     assert hit_share > 0.5, hit_share
     check = _check(sampled, joints)
     assert check.ok, check
-    with LLM(target=ModelRef(str(pair[0])), mode="ar", max_seq_len=32, launch="local") as llm:
+    with LLM(target=ModelRef(str(pair[0])), mode="ar", max_model_len=32, launch="local") as llm:
         ref = llm.generate([PROMPT], GREEDY)[0].token_ids
     assert all(g == ref for g in greedy)
 
@@ -165,7 +165,7 @@ def test_a_ggml_draft_keeps_the_output_exact(ggml_pair):
     assert hit_share > 0.5, hit_share
     check = _check(sampled, joints)
     assert check.ok, check
-    with LLM(target=ModelRef(str(target)), mode="ar", max_seq_len=32, launch="local") as llm:
+    with LLM(target=ModelRef(str(target)), mode="ar", max_model_len=32, launch="local") as llm:
         ref = llm.generate([PROMPT], GREEDY)[0].token_ids
     assert all(g == ref for g in greedy)
 

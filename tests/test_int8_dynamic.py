@@ -168,7 +168,7 @@ def test_speculation_on_int8_projections_equals_plain_greedy(engine_fixture, req
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     outputs = {}
     for mode in ("ar", "sd", "ssd"):
-        with LLM(str(engine), mode=mode, launch="local", max_seq_len=128) as llm:
+        with LLM(str(engine), mode=mode, launch="local", max_model_len=128) as llm:
             outputs[mode] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outputs["sd"] == outputs["ar"] and outputs["ssd"] == outputs["ar"]
 

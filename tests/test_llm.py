@@ -13,7 +13,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16)
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(mode="ssd", max_batch=4, max_seq_len=256, plain_under_load=False) as instance:
+    with LLM(mode="ssd", max_batch=4, max_model_len=256, plain_under_load=False) as instance:
         yield instance
 
 
@@ -61,7 +61,7 @@ def test_chat_applies_the_template(llm):
     ([], "non-empty"),
     ([1, "x"], "token ids"),
     ([10**9], r"prompt token ids must be in \[0, 49152\)"),
-    ("word " * 400, "exceeds max_seq_len"),
+    ("word " * 400, "exceeds max_model_len"),
 ])
 def test_bad_prompts_are_refused_and_the_engine_keeps_serving(llm, prompt, match):
     with pytest.raises(ValueError, match=match):

@@ -307,9 +307,9 @@ def test_a_fresh_engine_whose_stored_costs_rule_speculation_out_never_speculates
         timed.setattr(draft_worker, "time_forwards", lambda executor, rows, context: {1: 1.0, 64: 64.0})
         timed.setattr(draft_worker, "time_tree_steps", lambda executor, k, rows, context: {1: 1.0, 64: 64.0})
         timed.setattr(calibration, "time_forwards", lambda executor, rows, context: {1: 0.001, 64: 0.064})
-        LLM(str(GGML_ENGINE), mode=mode, launch="local", max_batch=3, max_seq_len=256).close()
+        LLM(str(GGML_ENGINE), mode=mode, launch="local", max_batch=3, max_model_len=256).close()
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    with LLM(str(GGML_ENGINE), mode=mode, launch="local", max_batch=3, max_seq_len=256) as llm:
+    with LLM(str(GGML_ENGINE), mode=mode, launch="local", max_batch=3, max_model_len=256) as llm:
         chooser = llm.loop.policy.chooser
         assert chooser.ceiling(1) < 2 and chooser.plain(1) > 500  # the stored costs
         llm.generate(PROMPTS[:3], dataclasses.replace(params, max_tokens=2))  # a first token, one round

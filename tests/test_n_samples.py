@@ -137,7 +137,7 @@ def ggml_pair(tmp_path_factory) -> ModelRef:
 
 
 def _ggml_llm(ref: ModelRef, mode: str, **options) -> LLM:
-    return LLM(target=ref, draft=ref, mode=mode, launch="local", k=3, max_batch=4, max_seq_len=320,
+    return LLM(target=ref, draft=ref, mode=mode, launch="local", k=3, max_batch=4, max_model_len=320,
                plain_under_load=False, **options)
 
 

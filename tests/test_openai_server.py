@@ -37,7 +37,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 @pytest.fixture(scope="module")
 def served():
     # A fixed fan-out skips the draft's start-up calibration (seconds on a CPU) that "auto" needs.
-    with LLM(mode="ssd", launch="local", max_batch=4, max_seq_len=256, fanout=(2, 1, 1, 1, 1, 1)) as llm:
+    with LLM(mode="ssd", launch="local", max_batch=4, max_model_len=256, fanout=(2, 1, 1, 1, 1, 1)) as llm:
         with BackgroundServer(OpenAIServer(llm, MODEL, api_key=API_KEY)) as bg:
             yield llm, bg
 
@@ -546,7 +546,7 @@ def _stream_plain(url: str, body: dict) -> Streamed:
 
 def _offline_prompt_logprobs(prompt: list[int]) -> list:
     """The prompt's logprobs from a separate ar LLM on the served target (its own prefill)."""
-    with LLM(mode="ar", launch="local", max_batch=1, max_seq_len=256) as llm:
+    with LLM(mode="ar", launch="local", max_batch=1, max_model_len=256) as llm:
         return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=1))[0].prompt_logprobs
 
 

@@ -22,7 +22,7 @@ from trtssd.serving.uvicorn_runner import BackgroundServer
 pytestmark = [pytest.mark.slow]
 
 # Bounded so that the file runs in well under a minute on a busy 2-core machine: the tiny model
-# makes a token in milliseconds, and no request runs past max_seq_len tokens.
+# makes a token in milliseconds, and no request runs past max_model_len tokens.
 EXAMPLES_PER_ROUTE = 60
 MAX_SEQ_LEN = 128
 
@@ -52,7 +52,7 @@ def _save_tokenizer(path) -> None:
 def fuzzed_server(tiny_pair, tiny_llm, tmp_path_factory):
     target = shutil.copytree(tiny_pair[0], tmp_path_factory.mktemp("fuzz") / "target")
     _save_tokenizer(target)
-    with tiny_llm(target, max_batch=2, max_seq_len=MAX_SEQ_LEN) as llm, \
+    with tiny_llm(target, max_batch=2, max_model_len=MAX_SEQ_LEN) as llm, \
             BackgroundServer(OpenAIServer(llm, "tiny")) as bg:
         yield bg
 

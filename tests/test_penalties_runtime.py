@@ -48,7 +48,7 @@ def ggml_pair(tmp_path_factory) -> tuple[ModelRef, ModelRef]:
 
 def _generate(pair, mode: str, prompts, params, pattern=None, **options) -> tuple[list[list[int]], dict]:
     target, draft = pair
-    options = {"k": 3, "max_batch": len(prompts), "max_seq_len": 128, "plain_under_load": False, **options}
+    options = {"k": 3, "max_batch": len(prompts), "max_model_len": 128, "plain_under_load": False, **options}
     with LLM(target=target, draft=draft, mode=mode, launch="local", **options) as llm:
         if pattern is not None:
             llm.loop.policy.chooser = Alternate(pattern)
@@ -144,7 +144,7 @@ def test_bans_that_cover_every_token_ban_nothing_there_on_every_path(torch_pair)
 
 def test_token_ids_outside_the_vocabulary_are_refused_at_admission(torch_pair):
     target, draft = torch_pair
-    with LLM(target=target, draft=draft, mode="ar", launch="local", max_seq_len=64) as llm:
+    with LLM(target=target, draft=draft, mode="ar", launch="local", max_model_len=64) as llm:
         for params, field in ((SamplingParams(logit_bias={64: 1.0}), "logit_bias"),
                               (SamplingParams(bad_words_ids=[[3, 70]]), "bad_words_ids"),
                               (SamplingParams(stop_token_ids=[64], min_tokens=1), "stop_token_ids")):

@@ -35,7 +35,7 @@ def engine():
 def ar_answers(engine, prompt: str, length: int, settings: dict[str, dict]) -> tuple[dict[str, list[int]], int]:
     """Greedy token ids of LLM.generate in ar mode, plain (under "plain") and with each setting's
     SamplingParams fields; and the model's vocabulary size."""
-    with LLM(str(engine), mode="ar", launch="local", max_batch=2, max_seq_len=512) as llm:
+    with LLM(str(engine), mode="ar", launch="local", max_batch=2, max_model_len=512) as llm:
         answers = {name: llm.generate(prompt, SamplingParams(temperature=0, max_tokens=length, **fields))[0].token_ids
                    for name, fields in {"plain": {}, **settings}.items()}
         return answers, llm.loop.target.vocab_size
@@ -57,7 +57,7 @@ def reference(engine):
 
 @pytest.fixture(scope="module")
 def served(engine):
-    with LLM(str(engine), mode="sd", launch="local", max_batch=4, max_seq_len=512) as llm:
+    with LLM(str(engine), mode="sd", launch="local", max_batch=4, max_model_len=512) as llm:
         with BackgroundServer(OpenAIServer(llm, MODEL)) as bg:
             yield bg
 

@@ -380,7 +380,7 @@ def test_ggml_outputs_with_prefix_cache_and_chunks_equal_outputs_without(tmp_pat
                            vocab_size=VOCAB + 200)
     ref = ModelRef(str(gguf), backend="ggml")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    options = dict(target=ref, draft=ref, mode=mode, launch="local", k=3, max_batch=2, max_seq_len=320,
+    options = dict(target=ref, draft=ref, mode=mode, launch="local", k=3, max_batch=2, max_model_len=320,
                    plain_under_load=False)
     with LLM(**options, prefix_cache_seqs=0, prefill_chunk=0) as llm:
         expected, _, _ = _outputs(llm, params)

@@ -35,7 +35,7 @@ PREFIX = _ids(1000, 0)
 def server():
     # One kept prompt: the eviction test's traffic holds three prefixes.
     # Speculating always: the draft then prefills (and caches) every prompt.
-    with LLM(mode="ssd", max_batch=4, max_seq_len=1200, fanout=(2, 1, 1, 1, 1, 1), prefix_cache_seqs=1,
+    with LLM(mode="ssd", max_batch=4, max_model_len=1200, fanout=(2, 1, 1, 1, 1, 1), prefix_cache_seqs=1,
              plain_under_load=False) as llm:
         with BackgroundServer(OpenAIServer(llm, MODEL)) as bg:
             bg.splits = llm.loop.target.capabilities.prompt_splits

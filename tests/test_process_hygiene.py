@@ -29,7 +29,7 @@ READY_TIMEOUT_S = 240.0  # a child importing torch and loading two tiny models o
 LOCAL_LLM_SCRIPT = """
 import sys, time
 from trtssd import LLM, ModelRef, SamplingParams
-llm = LLM(target=ModelRef(sys.argv[1]), draft=ModelRef(sys.argv[2]), mode='ssd', launch='local', max_seq_len=64,
+llm = LLM(target=ModelRef(sys.argv[1]), draft=ModelRef(sys.argv[2]), mode='ssd', launch='local', max_model_len=64,
           plain_under_load=False)
 llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))
 print('ready', flush=True)

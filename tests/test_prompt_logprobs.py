@@ -27,7 +27,7 @@ def tiny(tmp_path_factory) -> tuple[Path, Path]:
 def _llm(tiny, mode: str, **kw) -> LLM:
     target, draft = tiny
     return LLM(target=ModelRef(str(target)), draft=ModelRef(str(draft)), mode=mode, launch="local",
-               max_seq_len=256, plain_under_load=False, **kw)
+               max_model_len=256, plain_under_load=False, **kw)
 
 
 def _offline(tiny, prompt: list[int], params: SamplingParams):

@@ -221,7 +221,7 @@ def sd_run(engine, cases, target_reference) -> dict:
     and our target logits on the same loaded target executor. target_reference is computed
     first, so that transformers' copy of the model is gone before ours loads."""
     # Speculating always: on 2 cores load control would decode this pair plainly.
-    with LLM(str(engine), mode="ssd", max_batch=4, max_seq_len=256, plain_under_load=False) as llm:
+    with LLM(str(engine), mode="ssd", max_batch=4, max_model_len=256, plain_under_load=False) as llm:
         runs = {"ssd": ([o.token_ids for o in llm.generate(GREEDY_PROMPTS, GREEDY)], llm.metrics.summary())}
         llm.loop.draft.close()  # its core goes to the sd run's draft
         runs["sd"] = _greedy_by_loop(llm, engine, Mode.SD)
@@ -303,7 +303,7 @@ def test_pair_on_ggml_greedy_speculative_equals_ar(ggml_engine):
     assert manifest["target"]["backend"] == manifest["draft"]["backend"] == "ggml"
     outs, summaries = {}, {}
     for mode in ("ar", "sd", "ssd"):
-        with LLM(str(ggml_engine), mode=mode, max_batch=4, max_seq_len=256, plain_under_load=False) as llm:
+        with LLM(str(ggml_engine), mode=mode, max_batch=4, max_model_len=256, plain_under_load=False) as llm:
             batch4 = [o.token_ids for o in llm.generate(GREEDY_PROMPTS, GREEDY)]
             batch1 = [llm.generate([p], GREEDY)[0].token_ids for p in GREEDY_PROMPTS[:2]]
             outs[mode], summaries[mode] = (batch4, batch1), llm.metrics.summary()

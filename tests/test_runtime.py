@@ -103,7 +103,7 @@ def test_sampled_distribution_matches_ar(tmp_path_factory, mode, backup):
     n = 5000
     with LLM(target=ModelRef(str(target)), draft=ModelRef(str(draft)), mode=mode, backup=backup, k=3,
              plain_under_load=False,
-             max_batch=32, max_seq_len=64) as llm:
+             max_batch=32, max_model_len=64) as llm:
         outs = llm.generate([prompt] * n, [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=3, seed=s)
                                            for s in range(n)])
         summary = llm.metrics.summary()
@@ -125,7 +125,7 @@ def test_killed_target_takes_its_draft_job_along(tiny_pair, tmp_path):
     script.write_text(
         "import signal\n"
         "from trtssd import LLM, ModelRef, SamplingParams\n"
-        f"llm = LLM(target=ModelRef({str(target)!r}), draft=ModelRef({str(draft)!r}), mode='ssd', max_seq_len=128)\n"
+        f"llm = LLM(target=ModelRef({str(target)!r}), draft=ModelRef({str(draft)!r}), mode='ssd', max_model_len=128)\n"
         "llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8))\n"
         "print(llm.loop.draft.pid, flush=True)\n"
         "signal.pause()  # until the test kills it\n"
@@ -183,7 +183,7 @@ def test_world_launch_under_mpiexec(tiny_pair, tmp_path):
         "from trtssd.runtime.world import serve_world_rank\n"
         "if serve_world_rank(1):\n"
         "    sys.exit(0)\n"
-        f"with LLM(target=ModelRef({str(target)!r}), draft=ModelRef({str(draft)!r}), mode='ssd', launch='world', max_seq_len=128, plain_under_load=False) as llm:\n"
+        f"with LLM(target=ModelRef({str(target)!r}), draft=ModelRef({str(draft)!r}), mode='ssd', launch='world', max_model_len=128, plain_under_load=False) as llm:\n"
         "    out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0, max_tokens=24))\n"
         "    print(json.dumps({'ids': out[0].token_ids, 'hits': llm.metrics.cache_hits}))\n"
     )
@@ -194,7 +194,7 @@ def test_world_launch_under_mpiexec(tiny_pair, tmp_path):
     import json
 
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    with spawned_llm(tiny_pair, "ar", max_seq_len=128) as llm:
+    with spawned_llm(tiny_pair, "ar", max_model_len=128) as llm:
         ref = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0, max_tokens=24))[0].token_ids
     assert result["ids"] == ref
     assert result["hits"] > 0
@@ -212,7 +212,7 @@ def test_bad_options_are_rejected(tiny_pair):
     with spawned_llm(tiny_pair, "ar") as llm:
         with pytest.raises(ValueError, match="prompt"):
             llm.generate([[]], SamplingParams())
-        with pytest.raises(ValueError, match="max_seq_len"):
+        with pytest.raises(ValueError, match="max_model_len"):
             llm.generate([[1] * 250], SamplingParams(max_tokens=100))
         with pytest.raises(ValueError, match=r"\[0, 64\)"):
             llm.generate([[1, 999]], SamplingParams())

@@ -35,7 +35,7 @@ def test_trtssd_serve_answers_on_its_port_and_sigterm_ends_it_and_its_draft(tmp_
     target = make_tiny_llama(tmp_path / "target", seed=0)
     draft = make_tiny_llama(tmp_path / "draft", seed=1, base=target, noise=0.05)
     cmd = [sys.executable, "-m", "trtssd.cli", "serve", "--port", "0", "--target", str(target), "--draft", str(draft),
-           "--mode", "ssd", "--max-seq-len", "128", "--served-model-name", "tiny", "--api-key", "secret"]
+           "--mode", "ssd", "--max-model-len", "128", "--served-model-name", "tiny", "--api-key", "secret"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
         url = _wait_for_url(proc, timeout_s=120)

@@ -29,7 +29,7 @@ def served(tiny_pair):
     """One ssd server whose draft is its own MPI job; speculation every round (no load control),
     so the draft is in use when it is killed."""
     with LLM(target=ModelRef(str(tiny_pair[0])), draft=ModelRef(str(tiny_pair[1])), mode="ssd", launch="spawn", max_batch=16,
-             max_seq_len=MAX_SEQ_LEN, draft_timeout_s=10.0, plain_under_load=False) as llm:
+             max_model_len=MAX_SEQ_LEN, draft_timeout_s=10.0, plain_under_load=False) as llm:
         with BackgroundServer(OpenAIServer(llm, "tiny")) as bg:
             yield llm, bg
 
@@ -61,7 +61,7 @@ def _greedy_reference(tiny_pair, bodies: list[dict]) -> dict[int, list[int]]:
     greedy = {i: b for i, b in enumerate(bodies) if b.get("temperature") == 0}
     params = [SamplingParams(temperature=0, max_tokens=b["max_tokens"],
                              stop_token_ids=tuple(b.get("stop_token_ids", ()))) for b in greedy.values()]
-    with LLM(target=ModelRef(str(tiny_pair[0])), mode="ar", launch="local", max_seq_len=MAX_SEQ_LEN, max_batch=16) as llm:
+    with LLM(target=ModelRef(str(tiny_pair[0])), mode="ar", launch="local", max_model_len=MAX_SEQ_LEN, max_batch=16) as llm:
         outs = llm.generate([b["prompt"] for b in greedy.values()], params)
     return {i: o.token_ids for i, o in zip(greedy, outs)}
 

@@ -25,7 +25,7 @@ def _prompt(llm: LLM, text: str, schema: dict) -> list[int]:
 
 def _run(engine, mode: str, cases, params_of, plain_rounds: bool = False, **options):
     """Token ids, texts and finish reasons of ``cases`` generated in one batch, and the metrics."""
-    with LLM(str(engine), mode=mode, max_batch=4, max_seq_len=1024, launch="local", **options) as llm:
+    with LLM(str(engine), mode=mode, max_batch=4, max_model_len=1024, launch="local", **options) as llm:
         if plain_rounds:  # every round plain: the grammar's forced tokens are its only proposals
             llm.loop.policy.speculate = lambda rows: False
         prompts = [_prompt(llm, text, schema) for text, schema in cases]
@@ -115,7 +115,7 @@ def test_regex_choice_and_grammar_constraints(ggml_smollm2):
         (Constraint.grammar('root ::= "yes" | "no" | "maybe " [a-z]+'), lambda t: t in ("yes", "no") or t.startswith("maybe ")),
         (Constraint.json_object(), lambda t: isinstance(json.loads(t), dict)),
     ]
-    with LLM(str(ggml_smollm2), mode="ssd", max_batch=4, max_seq_len=512, launch="local") as llm:
+    with LLM(str(ggml_smollm2), mode="ssd", max_batch=4, max_model_len=512, launch="local") as llm:
         outs = llm.generate(["Pick one: red, green or blue."] * len(cases),
                             [SamplingParams(temperature=0, max_tokens=40, constraint=c) for c, _ in cases])
         for (c, ok), out in zip(cases, outs):
@@ -124,7 +124,7 @@ def test_regex_choice_and_grammar_constraints(ggml_smollm2):
 
 @pytest.mark.slow
 def test_bad_constraints_are_refused_at_admission_naming_the_field(ggml_smollm2):
-    with LLM(str(ggml_smollm2), mode="ar", max_batch=2, max_seq_len=256, launch="local") as llm:
+    with LLM(str(ggml_smollm2), mode="ar", max_batch=2, max_model_len=256, launch="local") as llm:
         for bad in (Constraint.json_schema({"type": "objekt"}), Constraint.regex("(unclosed"),
                     Constraint.grammar("root ::= undefined_rule")):
             with pytest.raises(FieldError) as err:

@@ -34,7 +34,7 @@ CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
 @pytest.fixture(scope="module")
 def served():
     engine = build_engine("smollm2-135m", backend="ggml", progress=False)
-    with LLM(str(engine), mode="sd", launch="local", max_batch=4, max_seq_len=512) as llm:
+    with LLM(str(engine), mode="sd", launch="local", max_batch=4, max_model_len=512) as llm:
         with BackgroundServer(OpenAIServer(llm, MODEL)) as bg:
             yield bg
 

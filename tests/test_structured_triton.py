@@ -70,7 +70,7 @@ def server(tmp_path_factory):
     engine = build_engine("smollm2-135m", backend="ggml", progress=False)
     repo = tmp_path_factory.mktemp("triton-structured")
     assert cli_main(["triton-repo", "--out", str(repo), "--engine", str(engine), "--mode", "ar", "--max-batch", "2",
-                     "--max-seq-len", "256"]) == 0
+                     "--max-model-len", "256"]) == 0
     with TritonServer(repo, Ports(0, 0, 0), log_path=repo / "server.log") as triton:
         triton.wait_ready(600)
         yield SimpleNamespace(http=triton.http_url, grpc=f"127.0.0.1:{triton.ports.grpc}")

@@ -56,7 +56,7 @@ def tiny(tmp_path_factory) -> tuple[Path, Path]:
 
 def _llm(tiny, mode: str, tensor_parallel_size: int = TP, **kw) -> LLM:
     target, draft = tiny
-    kw.setdefault("max_seq_len", 128)
+    kw.setdefault("max_model_len", 128)
     kw.setdefault("plain_under_load", False)  # the tests are about the speculative paths
     return LLM(target=ModelRef(str(target)), draft=ModelRef(str(draft)), mode=mode,
                tensor_parallel_size=tensor_parallel_size, **kw)
@@ -239,7 +239,7 @@ def test_sampled_ssd_at_two_target_ranks_has_the_target_distribution(tmp_path_fa
     want = _exact_marginals(target, prompt, params)
     drafts = _exact_marginals(draft, prompt, params)
     with LLM(target=ModelRef(str(target)), draft=ModelRef(str(draft)), mode="ssd", k=3, tensor_parallel_size=TP,
-             plain_under_load=False, max_batch=32, max_seq_len=64) as llm:
+             plain_under_load=False, max_batch=32, max_model_len=64) as llm:
         outs = llm.generate([prompt] * n, [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=3, seed=s)
                                            for s in range(n)])
         summary = llm.metrics.summary()
@@ -339,7 +339,7 @@ def test_killed_draft_degrades_to_ar_on_both_target_ranks(tiny, ar_tokens):
 KILLED_LEADER_SCRIPT = """
 import signal, sys
 from trtssd import LLM, ModelRef, SamplingParams
-llm = LLM(target=ModelRef(sys.argv[1]), mode='ar', tensor_parallel_size=2, max_seq_len=64)
+llm = LLM(target=ModelRef(sys.argv[1]), mode='ar', tensor_parallel_size=2, max_model_len=64)
 llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))
 print(llm.loop.target.follower_pids[0], flush=True)
 signal.pause()
@@ -390,7 +390,7 @@ def test_ranks_that_fail_to_load_are_reported_and_ended(tiny, tmp_path):
     weights.write_bytes(weights.read_bytes()[:100])
     before = _children()
     with pytest.raises(RuntimeError, match=r"tensor-parallel target did not start: rank 0: .*; rank 1: "):
-        LLM(target=ModelRef(str(broken)), mode="ar", tensor_parallel_size=TP, max_seq_len=64)
+        LLM(target=ModelRef(str(broken)), mode="ar", tensor_parallel_size=TP, max_model_len=64)
     assert _children() == before  # the follower was ended (and reaped) before LLM() raised
 
 

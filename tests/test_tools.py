@@ -153,7 +153,7 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris, in celsiu
 
 @pytest.fixture(scope="module")
 def qwen_server(qwen_engine):
-    with LLM(str(qwen_engine), mode="sd", launch="local", max_batch=2, max_seq_len=1024) as llm:
+    with LLM(str(qwen_engine), mode="sd", launch="local", max_batch=2, max_model_len=1024) as llm:
         with BackgroundServer(OpenAIServer(llm, "qwen")) as bg:
             yield openai.OpenAI(base_url=bg.url + "/v1", api_key="none")
 

@@ -269,7 +269,7 @@ def server(engine, tmp_path_factory):
     repo = tmp_path_factory.mktemp("triton-repo")
     # A fixed fan-out skips the draft's start-up calibration that "auto" needs (seconds on a CPU).
     assert cli_main(["triton-repo", "--out", str(repo), "--engine", str(engine), "--mode", "ssd", "--max-batch", "4",
-                     "--max-seq-len", str(MAX_SEQ_LEN), "--fanout", ",".join(map(str, SERVER_FANOUT))]) == 0
+                     "--max-model-len", str(MAX_SEQ_LEN), "--fanout", ",".join(map(str, SERVER_FANOUT))]) == 0
     ports = SimpleNamespace(http=free_port(), grpc=free_port(), metrics=free_port())
     log_path = repo / "server.log"
     with open(log_path, "wb") as log:
@@ -304,7 +304,7 @@ def _wait_ready(s, timeout_s: float) -> None:
 @pytest.fixture(scope="module")
 def reference(engine):
     """Greedy output of LLM.generate in ar mode: what every greedy request must reproduce."""
-    with LLM(str(engine), mode="ar", max_batch=4, max_seq_len=MAX_SEQ_LEN) as llm:
+    with LLM(str(engine), mode="ar", max_batch=4, max_model_len=MAX_SEQ_LEN) as llm:
         outs = {o.prompt: o for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS,
                                                                           logprobs=0))}
         text = outs[PROMPTS[0]].text
@@ -318,7 +318,7 @@ def sampled_reference(engine):
     """The seeded sampled request offline, in the server's mode and K (the draft in-process): a seed
     makes the output a function of prompt, parameters, seed, engine, mode and K only."""
     with LLM(str(engine), mode="ssd", launch="local", fanout=SERVER_FANOUT, max_batch=4,
-             max_seq_len=MAX_SEQ_LEN) as llm:
+             max_model_len=MAX_SEQ_LEN) as llm:
         return llm.generate(PROMPTS[1], SamplingParams(**SEEDED, logprobs=0))[0]
 
 
@@ -532,7 +532,7 @@ def test_bad_inputs_get_errors_and_the_server_stays_ready(server):
         ({"text_input": "hi", "temperature": -1}, "SamplingParams.temperature"),
         ({"text_input": "hi", "sampling_parameters": "{nope"}, "not valid JSON"),
         ({"text_input": "hi", "sampling_parameters": '{"beam_width": 4}'}, "unknown key(s)"),
-        ({"text_input": "hi", "max_tokens": 10 * MAX_SEQ_LEN}, "exceeds max_seq_len"),
+        ({"text_input": "hi", "max_tokens": 10 * MAX_SEQ_LEN}, "exceeds max_model_len"),
         ({"text_input": "hi", "stream": True, "exclude_input_in_output": False}, "not allowed"),
         ({"max_tokens": 4}, "text_input"),  # Triton's own check of a required input
         ({"text_input": "hi", "sampling_parameters": '{"logprobs": 21}'}, "SamplingParams.logprobs"),

@@ -410,7 +410,7 @@ class FakeTrtllmExecutor:
 
 def _tiny_llm(tiny, mode: str, **kw) -> LLM:
     return LLM(target=ModelRef(str(tiny[0])), draft=ModelRef(str(tiny[1])), mode=mode, launch="local",
-               max_seq_len=256, plain_under_load=False, **kw)
+               max_model_len=256, plain_under_load=False, **kw)
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
@@ -475,7 +475,7 @@ def test_drafter_on_its_own_spawned_draft_rank(tiny):
     """Prefill, two greedy speculations and a release against a real draft rank the drafter
     started (its own MPI job); close() ends the job and frees its buffers."""
     with open_draft_source(draft=ModelRef(str(tiny[1])), vocab_size=64, mode="sd", k=3, max_batch=2,
-                           max_seq_len=128) as source:
+                           max_model_len=128) as source:
         link = source.client
         a = _request(1, [1, 2, 3, 4, 5, 9], prompt_len=5)
         source.prepare_draft_tokens(_scheduled(a))
@@ -505,7 +505,7 @@ def test_drafter_options_are_checked_and_a_refused_drafter_leaves_no_draft(tiny,
     monkeypatch.setattr(drafter_module, "start_draft", start)
     with pytest.raises(ValueError, match=r"max_draft_len must be an int in \[1, k=3\]"):
         open_draft_source(draft=ModelRef(str(tiny[1])), vocab_size=64, mode="sd", k=3, max_draft_len=4,
-                          launch="local", max_seq_len=128)
+                          launch="local", max_model_len=128)
     assert closed == [True]  # the draft it had started was ended
 
 
@@ -656,7 +656,7 @@ def test_the_verifier_refuses_an_engine_of_two_ranks_at_tensor_parallel_size_1(t
 
 def _trtllm_runtime(engine: Path, size: int) -> RuntimeConfig:
     return RuntimeConfig(target_backend="trtllm", trtllm_engine_dir=str(engine), tensor_parallel_size=size,
-                         max_seq_len=64, max_batch=2)
+                         max_model_len=64, max_batch=2)
 
 
 def test_start_target_routes_a_trtllm_target_of_tensor_parallel_size_2(tiny, tmp_path):

@@ -66,7 +66,7 @@ def test_the_wheel_installs_and_generates_in_a_fresh_venv(tmp_path):
                "TRTSSD_CALIBRATION_CACHE": str(tmp_path / "calibration"),
                "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}"}
     out = _run([venv / "bin" / "trtssd", "--log-level", "WARNING", "generate", "--engine", engine,
-                "--max-tokens", "8", "--max-seq-len", "128", "--prompt", "the cat"], env=run_env, timeout=400)
+                "--max-tokens", "8", "--max-model-len", "128", "--prompt", "the cat"], env=run_env, timeout=400)
     assert "mode=ssd tokens=" in out.stdout  # the result line, on stdout
     assert "torch layers only" not in out.stderr, out.stderr  # the compiled layers built and loaded
     assert any((tmp_path / "ext").iterdir())

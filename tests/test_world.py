@@ -41,7 +41,7 @@ target, draft, size, action = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.ar
 if serve_world_rank(size):
     sys.exit(0)
 with LLM(target=ModelRef(target), draft=ModelRef(draft), mode="ssd", launch="world", tensor_parallel_size=size,
-         max_seq_len=128, plain_under_load=False) as llm:
+         max_model_len=128, plain_under_load=False) as llm:
     pids = [os.getpid(), *llm.loop.target.follower_pids, llm.loop.draft.pid]
     print(json.dumps({"pids": pids}), flush=True)
     if action == "kill":
@@ -90,7 +90,7 @@ def _lines(out: str) -> list[dict]:
 
 
 def _ar_reference(target: Path, prompts, **options) -> list[list[int]]:
-    with LLM(target=ModelRef(str(target)), mode="ar", launch="local", max_seq_len=128, **options) as llm:
+    with LLM(target=ModelRef(str(target)), mode="ar", launch="local", max_model_len=128, **options) as llm:
         return [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))]
 
 

@@ -19,7 +19,7 @@ stop() { if [[ -n "$pid" ]]; then kill -INT "$pid" 2>/dev/null || true; wait "$p
 trap stop EXIT
 run() {  # label, serve options...
   local label=$1; shift
-  .venv/bin/trtssd serve --port "$PORT" --max-batch 9 --max-seq-len 2048 ${engine:+--engine "$engine"} \
+  .venv/bin/trtssd serve --port "$PORT" --max-batch 9 --max-model-len 2048 ${engine:+--engine "$engine"} \
     "$@" >"$here/$label.log" 2>&1 &
   pid=$!
   until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do kill -0 "$pid"; sleep 1; done

@@ -120,11 +120,6 @@ class PrefixCache:
         while len(self._kept) > self.max_kept:
             self._evict_oldest()
 
-    def clear(self) -> None:
-        """Forget every kept prompt (releasing those the executor still holds)."""
-        while self._kept:
-            self._evict_oldest()
-
     def _lookup(self, prompt: list[int]) -> tuple[int, int] | None:
         """(holder, tokens) of the longest reusable cached prefix, or None."""
         best = None

@@ -27,11 +27,9 @@ sequence's prompt and output, then the chain's tokens so far (a just-in-time dra
 speculation before it, a tree branch's path from the speculation through its fork token).
 Exactness does not rest on this (the target processes its own p), acceptance does.
 
-Constrained requests (structured outputs): the draft samples from its grammar-masked q', so it
-proposes only tokens the constraint allows. Each chain follows its own grammar state: a
-just-in-time draft forks the sequence's state, every glue row is masked by the state after the
-speculation's tokens before it, and every tree branch forks the state at its fork point. Exactness
-does not rest on this (the target masks its own p), acceptance does.
+Constrained requests (structured outputs): the draft samples from its grammar-masked q', each
+chain with its own grammar state (docs/structured-outputs.md). Exactness does not rest on this
+(the target masks its own p), acceptance does.
 """
 
 from __future__ import annotations

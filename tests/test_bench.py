@@ -256,8 +256,9 @@ def _run(system: str, tok_s: float, outputs: list[tuple[int, ...]], k=None, budg
     reqs = [RequestRecord(f"p{i}", 3, out, "length", 0.01, 0.1, ()) for i, out in enumerate(outputs)]
     summary = {"tokens_per_s": tok_s, "decode_tokens_per_s": tok_s, "output_tokens": 64, "wall_s": 64 / tok_s}
     if spec is not None:
-        summary.update(spec=spec.summary(), mean_acceptance_length=spec.mean_acceptance_length,
-                       cache_hit_rate=spec.cache_hit_rate)
+        spec = spec.summary()
+        summary.update(spec=spec, mean_acceptance_length=spec["mean_acceptance_length"],
+                       cache_hit_rate=spec["cache_hit_rate"])
     return RunResult(RunKey(system, dataset, 1, 0.0, k, budget), summary, reqs)
 
 

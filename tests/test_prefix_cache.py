@@ -263,19 +263,6 @@ def test_an_executor_that_saves_prefixes_holds_only_running_sequences():
     assert cache.start(13, prompts[1] + [3]) == 32 and rows.loads[-1] == (1, 13, 32)
 
 
-@pytest.mark.parametrize("rows_class", [_Rows, _SavingRows])
-def test_clear_forgets_every_kept_prompt_and_releases_what_the_executor_holds(rows_class):
-    rows = rows_class(4)
-    cache = PrefixCache(rows, max_kept=4)
-    prompts = _run_to_the_end(cache, 2)
-    cache.start(2, prompts[0])
-    cache.index(2, prompts[0])  # running: not kept, so clear leaves it
-    cache.clear()
-    assert rows.live == {2}
-    assert cache.start(3, prompts[1] + [1]) == 0  # forgotten
-    assert cache.start(4, prompts[0] + [1]) == 32  # the running holder still serves
-
-
 def test_a_hash_collision_is_a_miss_never_a_wrong_prefix(monkeypatch):
     monkeypatch.setattr(prefix_cache_module, "block_hashes", lambda tokens, block, kind=0: [7] * (len(tokens) // block))
     rows = _Rows(4)

@@ -202,7 +202,6 @@ def _greedy_by_loop(llm: LLM, engine: Path, mode: Mode) -> tuple[list[list[int]]
     link = None if mode is Mode.AR else start_draft("spawn", ModelRef(str(engine), "draft"), spec, llm.runtime,
                                                     llm.loop.target.vocab_size)
     try:
-        llm.loop.scheduler.prefix_cache.clear()  # the prompts it keeps hold sequence ids the new loop numbers again
         loop = TargetLoop(llm.loop.target, spec, len(GREEDY_PROMPTS), llm.max_model_len, draft=link)
         seqs = [loop.new_sequence(encode_text(llm.tokenizer, p), GREEDY) for p in GREEDY_PROMPTS]
         for seq in seqs:
@@ -220,8 +219,10 @@ def sd_run(engine, cases, target_reference) -> dict:
     """Greedy ssd (the draft as its own MPI job), then greedy sd (another draft job), greedy ar
     and our target logits on the same loaded target executor. target_reference is computed
     first, so that transformers' copy of the model is gone before ours loads."""
-    # Speculating always: on 2 cores load control would decode this pair plainly.
-    with LLM(str(engine), mode="ssd", max_batch=4, max_model_len=256, plain_under_load=False) as llm:
+    # Speculating always: on 2 cores load control would decode this pair plainly. No kept prompts:
+    # they would hold sequence ids the loops after it number again.
+    with LLM(str(engine), mode="ssd", max_batch=4, max_model_len=256, plain_under_load=False,
+             prefix_cache_seqs=0) as llm:
         runs = {"ssd": ([o.token_ids for o in llm.generate(GREEDY_PROMPTS, GREEDY)], llm.metrics.summary())}
         llm.loop.draft.close()  # its core goes to the sd run's draft
         runs["sd"] = _greedy_by_loop(llm, engine, Mode.SD)

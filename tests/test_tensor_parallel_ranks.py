@@ -100,6 +100,11 @@ def _children() -> set[int]:
             if "resource_tracker" not in " ".join(p.cmdline())}
 
 
+def _followers() -> list[int]:
+    """The tensor-parallel followers this process started (rank 0 here: launch "spawn" or "local")."""
+    return [p.pid for p in psutil.Process().children() if "trtssd.backends.tensor_parallel" in p.cmdline()]
+
+
 def _kill(pids) -> None:
     for pid in _running(pids):
         os.kill(pid, signal.SIGKILL)
@@ -122,7 +127,7 @@ def test_greedy_sd_and_ssd_equal_ar_at_two_target_ranks(tiny, ar_tokens):
     assert ar_tokens[TP] == ar_tokens[1]  # T = 2 decodes what T = 1 does
     for mode in ("sd", "ssd"):
         with _llm(tiny, mode, max_batch=4) as llm:
-            assert len(llm.loop.target.follower_pids) == TP - 1
+            assert len(_followers()) == TP - 1
             got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
             summary = llm.metrics.summary()
         assert summary["degraded_rounds"] == 0, summary
@@ -185,7 +190,7 @@ def test_mirrored_calls_give_the_logits_of_one_rank(tiny):
     options = {"max_seqs": 2, "max_seq_len": 64, "max_batch_tokens": None}
     ref = _scenario(TorchExecutor.from_pretrained(target, max_seqs=2, max_seq_len=64))
     ex = start_tensor_parallel_target(ModelRef(str(target)), RuntimeConfig(tensor_parallel_size=TP), **options)
-    followers = ex.follower_pids
+    followers = _followers()
     try:
         got = _scenario(ex)
     finally:
@@ -271,7 +276,7 @@ def test_killed_follower_ends_the_requests_with_an_error_and_leaves_nothing(tiny
     ours = _children() - before  # the follower, the draft's mpiexec, hydra proxy and rank
     try:
         engine = llm.loop
-        (follower,) = engine.target.follower_pids
+        (follower,) = _followers()
         assert follower in ours and engine.draft.pid in ours
         _start_requests(engine, params)
         assert engine.scheduler.running
@@ -295,7 +300,7 @@ def test_killed_follower_fails_a_servers_open_streams(tiny):
     from trtssd.serving.async_llm import AsyncLLM, LoopStopped
 
     with _llm(tiny, "ssd", launch="local", max_batch=4) as llm:
-        (follower,) = llm.loop.target.follower_pids
+        (follower,) = _followers()
         served = AsyncLLM(llm).start()
 
         async def main():
@@ -327,7 +332,7 @@ def test_killed_draft_degrades_to_ar_on_both_target_ranks(tiny, ar_tokens):
                 engine.step()
             got = [engine.pop_finished(i).output for i in ids]
             assert llm.draft_state != "alive" and llm.metrics.degraded_rounds > 0
-            assert _running(engine.target.follower_pids)  # the target group went on
+            assert _running(_followers())  # the target group went on
         finally:
             llm.close()
             left = _wait_ended(ours, 10)
@@ -338,10 +343,12 @@ def test_killed_draft_degrades_to_ar_on_both_target_ranks(tiny, ar_tokens):
 
 KILLED_LEADER_SCRIPT = """
 import signal, sys
+import psutil
 from trtssd import LLM, ModelRef, SamplingParams
 llm = LLM(target=ModelRef(sys.argv[1]), mode='ar', tensor_parallel_size=2, max_model_len=64)
 llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))
-print(llm.loop.target.follower_pids[0], flush=True)
+(follower,) = [p for p in psutil.Process().children() if 'trtssd.backends.tensor_parallel' in p.cmdline()]
+print(follower.pid, flush=True)
 signal.pause()
 """
 

@@ -34,15 +34,17 @@ MAX_TOKENS = 24
 # The job's rank 0: the script every rank runs, as a user would write it.
 SCRIPT = """
 import json, os, signal, sys
+from mpi4py import MPI
 from trtssd import LLM, ModelRef, SamplingParams
 from trtssd.runtime.world import serve_world_rank
 
 target, draft, size, action = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+pids = MPI.COMM_WORLD.allgather(os.getpid())  # rank 0, its followers, the draft
 if serve_world_rank(size):
     sys.exit(0)
 with LLM(target=ModelRef(target), draft=ModelRef(draft), mode="ssd", launch="world", tensor_parallel_size=size,
          max_model_len=128, plain_under_load=False) as llm:
-    pids = [os.getpid(), *llm.loop.target.follower_pids, llm.loop.draft.pid]
+    assert pids[-1] == llm.loop.draft.pid
     print(json.dumps({"pids": pids}), flush=True)
     if action == "kill":
         os.kill(pids[1], signal.SIGKILL)

@@ -299,10 +299,6 @@ class TensorParallelExecutor:
     def committed(self, seq_id: int) -> int:
         return self.shard.committed(seq_id)
 
-    @property
-    def follower_pids(self) -> list[int]:
-        return [f.pid for f in self._followers]
-
     # -- the executor protocol --------------------------------------------------------------------
 
     def add_sequence(self, seq_id: int) -> None:

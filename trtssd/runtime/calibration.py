@@ -127,15 +127,6 @@ def _timing_sizes(executor: Executor, most: int, context: int, slots) -> tuple[i
 CALIBRATION_CACHE_ENV = "TRTSSD_CALIBRATION_CACHE"  # a directory, or "off" to time at every start
 
 
-def calibration_cache_dir() -> Path | None:
-    """Where calibrations are kept (default ~/.cache/trtssd/calibration), None when caching is off.
-    Deleting the directory makes the next start time its forwards again."""
-    value = os.environ.get(CALIBRATION_CACHE_ENV)
-    if value is not None and value.strip().lower() in ("off", "0", "no", "false", ""):
-        return None
-    return Path(value) if value else Path.home() / ".cache" / "trtssd" / "calibration"
-
-
 def calibration_key_fields(executor: Executor, **settings: Any) -> dict:
     """What the timed costs depend on: the machine (CPU, cores, threads, torch, trtssd), the
     executor's `cost_identity` (the model's shape and how it runs) and the timing settings."""
@@ -151,20 +142,34 @@ def calibration_key_fields(executor: Executor, **settings: Any) -> dict:
     }
 
 
+def calibration(fields: Mapping[str, Any], measure: Callable[[], tuple[dict, dict]]) -> tuple[dict, dict, bool]:
+    """(chain, tree) timings stored for these fields, else ``measure()``'s, stored for the next start;
+    and whether they were stored. A file that cannot be read is timed again and replaced; one that
+    cannot be written only costs the timing again at the next start."""
+    path = _calibration_path(fields)
+    stored = _load(path) if path is not None else None
+    if stored is not None:
+        return stored["chain"], stored["tree"], True
+    chain, tree = measure()
+    if path is not None:
+        _store(path, {"measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                      "fields": fields, "chain": dict(chain), "tree": dict(tree)})
+    return chain, tree, False
+
+
 def _calibration_path(fields: Mapping[str, Any]) -> Path | None:
-    folder = calibration_cache_dir()
-    if folder is None:
+    """Where a calibration is kept (default under ~/.cache/trtssd/calibration; deleting the
+    directory makes the next start time its forwards again), None when caching is off."""
+    value = os.environ.get(CALIBRATION_CACHE_ENV)
+    if value is not None and value.strip().lower() in ("off", "0", "no", "false", ""):
         return None
+    folder = Path(value) if value else Path.home() / ".cache" / "trtssd" / "calibration"
     key = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:20]
     return folder / f"{key}.json"
 
 
-def load_calibration(fields: Mapping[str, Any]) -> dict[str, dict[int, float]] | None:
-    """The stored {"chain": {rows: s}, "tree": {branches: s}} for these fields, or None (not
-    stored, caching off, or an unreadable file, which the next store replaces)."""
-    path = _calibration_path(fields)
-    if path is None:
-        return None
+def _load(path: Path) -> dict[str, dict[int, float]] | None:
+    """The stored {"chain": {rows: s}, "tree": {branches: s}}, or None (not stored, or unreadable)."""
     try:
         data = json.loads(path.read_text())
         return {part: {int(n): float(s) for n, s in data[part].items()} for part in ("chain", "tree")}
@@ -175,14 +180,8 @@ def load_calibration(fields: Mapping[str, Any]) -> dict[str, dict[int, float]] |
         return None
 
 
-def store_calibration(fields: Mapping[str, Any], chain: Mapping[int, float], tree: Mapping[int, float]) -> Path | None:
-    """Keep a calibration for the next start (written whole or not at all); None when caching is
-    off or the directory is not writable (a start then only costs the timing again)."""
-    path = _calibration_path(fields)
-    if path is None:
-        return None
-    record = {"measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "fields": fields, "chain": dict(chain), "tree": dict(tree)}
+def _store(path: Path, record: dict) -> None:
+    """Written whole or not at all."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.partial")
@@ -190,19 +189,6 @@ def store_calibration(fields: Mapping[str, Any], chain: Mapping[int, float], tre
         os.replace(partial, path)
     except OSError as err:
         log.warning("could not store the calibration in %s: %s", path.parent, err)
-        return None
-    return path
-
-
-def calibration(fields: Mapping[str, Any], measure: Callable[[], tuple[dict, dict]]) -> tuple[dict, dict, bool]:
-    """(chain, tree) timings stored for these fields, else ``measure()``'s, stored for the next start;
-    and whether they were stored."""
-    stored = load_calibration(fields)
-    if stored is not None:
-        return stored["chain"], stored["tree"], True
-    chain, tree = measure()
-    store_calibration(fields, chain, tree)
-    return chain, tree, False
 
 
 def calibrated_forwards(executor: Executor, max_rows: int, context: int = 128, **settings: Any) -> dict[int, float]:

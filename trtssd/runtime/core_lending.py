@@ -3,8 +3,8 @@ target's own (the cores themselves: trtssd/cores.py)."""
 
 from __future__ import annotations
 
-import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
@@ -12,8 +12,6 @@ from trtssd.backends.base import Executor
 from trtssd.cores import pin_thread
 
 T = TypeVar("T")
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,26 +48,13 @@ class CoreLending:
 
 
 def on_own_thread(fn: Callable[[], T]) -> T:
-    """``fn()`` on a thread of its own, its result or its exception here. The cores a timing run
-    pins belong to that thread, and the OpenMP workers llama.cpp starts for its forwards (with
-    that thread's cores, for as long as it lives) end with it: started from the constructing
-    thread, they would stay pinned to the cores of the last timed forward and slow every plain
-    round after it."""
-    result: list = []
-
-    def run() -> None:
-        try:
-            result.append((True, fn()))
-        except BaseException as err:  # noqa: BLE001 - handed to the caller
-            result.append((False, err))
-
-    thread = threading.Thread(target=run, name="trtssd-timing")
-    thread.start()
-    thread.join()
-    ok, value = result[0]
-    if not ok:
-        raise value
-    return value
+    """``fn()`` on a thread of its own, which has ended when this returns (or raises ``fn``'s
+    exception). The cores a timing run pins belong to that thread, and the OpenMP workers
+    llama.cpp starts for its forwards (with that thread's cores, for as long as it lives) end with
+    it: started from the constructing thread, they would stay pinned to the cores of the last
+    timed forward and slow every plain round after it."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trtssd-timing") as thread:
+        return thread.submit(fn).result()
 
 
 def core_lending(executor: Executor, target_cores: Sequence[int] | None, target_threads: int,

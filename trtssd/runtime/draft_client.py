@@ -1,11 +1,10 @@
 """The target's side of the draft rank: what the target loop needs of it (`DraftClient`), the
 real one (`DraftLink`: start it, talk to it, notice when it is gone) and an in-process one.
 
-`LocalDraft` runs the same `DraftServer` and `DraftWorker` in this process, synchronously: the
-target loop's tests use it without MPI, and it serves single-process debugging. It pre-speculates
-right after answering instead of during the verification, and a new sequence's first round just
-before answering it instead of during the target's prefill, which changes timing, never tokens.
-
+`LocalDraft` runs the same `DraftServer` and `DraftWorker` in this process, synchronously (tests
+without MPI, single-process debugging): it pre-speculates right after answering instead of during
+the verification, and a new sequence's first round just before answering it instead of during
+the target's prefill, which changes timing, never tokens.
 
 Two ways to get a draft rank:
 - `DraftLink.spawn`: the Python API starts the draft as its own one-process MPI job and accepts
@@ -17,8 +16,7 @@ Two ways to get a draft rank:
   has no fault tolerance); timeouts still degrade to AR.
 
 With the draft on CUDA (``draft_device``), either way, the bulk rows use CUDA IPC buffers instead
-(trtssd/runtime/cuda_ipc.py; unverified: never run on a GPU): the draft allocates them on its GPU
-and sends their handles in Ready, and the target maps them once.
+(cuda_ipc.py): the draft allocates them on its GPU and sends their handles in Ready.
 
 Any failure (timeout, exit, DraftError) marks the link dead; the engine then decodes in AR mode
 from its own state, so nothing is lost. A dead draft's job is ended whole (`_end_job`): its
@@ -196,12 +194,9 @@ class DraftLink:
             job.record()  # the rank is past MPI_Init: its MPICH segment exists
             link = cls(inter.Merge(high=False), 1, job, spec.draft_timeout_s)
             link._inter = inter
-            if runtime.resolved_transport is Transport.HOST:
-                link.buffers = buffers = SharedBuffers.create_posix(runtime.max_batch, spec.k, vocab_size)
-                layout = buffers.layout
-            else:  # the draft allocates on its GPU; mapped after Ready
-                buffers, layout = None, _layout(runtime, spec, vocab_size)
-            link._handshake(spec, runtime, layout, draft_model, max_seq_len, start_timeout_s, buffers)
+            if runtime.resolved_transport is Transport.HOST:  # else the draft allocates them on its GPU
+                link.buffers = SharedBuffers.create_posix(runtime.max_batch, spec.k, vocab_size)
+            link._handshake(spec, runtime, vocab_size, draft_model, max_seq_len, start_timeout_s)
             job.record()  # and whatever the rank started while loading
         except BaseException:
             # Whatever state the draft is in, end its job and free what we made for it.
@@ -217,24 +212,24 @@ class DraftLink:
     def from_world(cls, comm: MPI.Intracomm, draft_model: ModelRef, spec: SpeculativeConfig, runtime: RuntimeConfig,
                    vocab_size: int, max_seq_len: int, start_timeout_s: float = 300.0) -> "DraftLink":
         link = cls(comm, comm.Get_size() - 1, None, spec.draft_timeout_s)
-        layout = _layout(runtime, spec, vocab_size)
         try:
-            link._handshake(spec, runtime, layout, draft_model, max_seq_len, start_timeout_s, None)
+            link._handshake(spec, runtime, vocab_size, draft_model, max_seq_len, start_timeout_s)
         except ValueError:
             link.close()  # the draft rank is up: shut it down, then report
             raise
         return link
 
-    def _handshake(self, spec, runtime, layout, draft_model, max_seq_len, timeout_s, buffers) -> None:
+    def _handshake(self, spec, runtime, vocab_size, draft_model, max_seq_len, timeout_s) -> None:
+        """Start the draft rank serving, and take its round buffers: the POSIX segment `spawn`
+        made, else an MPI window (host) or the draft's CUDA IPC buffers, mapped once Ready."""
+        layout = self.buffers.layout if self.buffers is not None else _layout(runtime, spec, vocab_size)
         self.channel.poll_interval_s = runtime.poll_interval_s
         # The draft blocks on its doorbell between messages; each message to it rings it.
-        self.channel.ringer = Doorbell.ringer(Doorbell.new_name())
+        self.channel.ringer = Doorbell.ringer()
         self.channel.send(P.Hello(spec, runtime, layout, draft_model, max_seq_len, self.channel.ringer.name),
                           P.CONTROL_TAG)
         cuda_ipc = layout.transport == Transport.CUDA_IPC.value
-        if buffers is not None:
-            self.buffers = buffers
-        elif not cuda_ipc:
+        if self.buffers is None and not cuda_ipc:
             self.buffers = SharedBuffers.create_window(self.comm, layout)  # collective with the draft rank
         try:
             ready = self._recv(timeout_s)

@@ -1,11 +1,7 @@
 """The draft rank: its side of the protocol (`DraftServer`, free of any transport: one call per
-message) and the loop serving the target's messages (run as its own MPI process).
-
-Started by the target (``python -m trtssd.runtime.draft_rank --port PORT`` under its own
-``mpiexec -n 1``, connecting back through an MPI port) or as the last rank of
-``mpiexec -n 2 ...`` (``LLM(launch="world")``). The MPI loop here and the in-process `LocalDraft`
-(trtssd/runtime/draft_client.py) both drive a `DraftServer`, so the draft behaves the same behind
-either.
+message) and the loop serving the target's messages (run as its own MPI process, started as
+draft_client.py says). The MPI loop here and the in-process `LocalDraft` both drive a
+`DraftServer`, so the draft behaves the same behind either.
 """
 
 from __future__ import annotations

@@ -14,11 +14,12 @@ drafts a tree from each, so that round can hit too. Every proposal is sampled fr
 distribution that travels with it (Saguaro q', `trtssd.spec_decode.saguaro.saguaro_probs`), or
 is deterministic and marked as a point mass, so the target's verification is exact either way.
 
-Seeded requests: the draft draws its uniforms from a counter-based stream keyed by (seed, round,
-outcome): the tree branch for outcome (k, b) of round r and a just-in-time draft answering that
-outcome draw the same numbers. Such rows sample from the plain draft distribution (Saguaro's skew
-depends on the live tree budget) and a miss is always answered by the neural backup, so a seeded
-request's proposals, and with them its output, do not depend on timing, batch or cache hits.
+Seeded sampled requests (`SamplingParams.seeded_sampling`): the draft draws its uniforms from a
+counter-based stream keyed by (seed, round, outcome): the tree branch for outcome (k, b) of round
+r and a just-in-time draft answering that outcome draw the same numbers. Such rows sample from the
+plain draft distribution (Saguaro's skew depends on the live tree budget) and a miss is always
+answered by the neural backup, so their proposals, and with them the output, do not depend on
+timing, batch or cache hits (a greedy row's output never depends on its proposals).
 
 Penalties, logit bias, bad words and min_tokens: the draft processes its q' with them as the
 target does its p (`trtssd.sampling.adjusted_logits`), each chain with its own history: the
@@ -26,11 +27,9 @@ sequence's prompt and output, then the chain's tokens so far (a just-in-time dra
 speculation before it, a tree branch's path from the speculation through its fork token).
 Exactness does not rest on this (the target processes its own p), acceptance does.
 
-Constrained requests (structured outputs): the draft samples from its grammar-masked q', so it
-proposes only tokens the constraint allows. Each chain follows its own grammar state: a
-just-in-time draft forks the sequence's state, every glue row is masked by the state after the
-speculation's tokens before it, and every tree branch forks the state at its fork point. Exactness
-does not rest on this (the target masks its own p), acceptance does.
+Constrained requests (structured outputs): the draft samples from its grammar-masked q', each
+chain with its own grammar state (docs/structured-outputs.md). Exactness does not rest on this
+(the target masks its own p), acceptance does.
 """
 
 from __future__ import annotations
@@ -91,10 +90,6 @@ class DraftSequence:
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.history)
-
-    @property
-    def seeded(self) -> bool:
-        return self.params.seed is not None
 
 
 @dataclass(frozen=True)
@@ -349,7 +344,7 @@ class DraftWorker:
             return []
         if prefer_neural(len(seqs), len(misses), self.costs.tokens_neural, self.costs):
             return misses
-        return [i for i in misses if seqs[i].seeded]  # a seed promises timing-free proposals
+        return [i for i in misses if seqs[i].params.seeded_sampling]  # a seed promises timing-free proposals
 
     # --- drafting ----------------------------------------------------------------------------
 
@@ -380,7 +375,7 @@ class DraftWorker:
         """The tokens the row's grammar forces next, as point masses (a one-hot q), up to K. Not
         for a seeded sampled row: its proposals must be what the tree branch for the same outcome
         drafts (the seed's promise), and trees sample forced text like any other."""
-        if state is None or (seq.seeded and not seq.params.is_greedy):
+        if state is None or seq.params.seeded_sampling:
             return
         forced = state.forced_tokens(self.k - len(chain.tokens))
         if state.advance(forced) != len(forced):
@@ -444,18 +439,18 @@ class DraftWorker:
 
     def _saguaro_fanout(self, seq: DraftSequence, fanout: int) -> int:
         """F for Saguaro's scaling of this row, or NO_SCALING. sd drafts from the plain q (it has
-        no cache); seeded rows too (the skew would follow the live tree budget); with no fork
+        no cache); seeded sampled rows too (the skew would follow the live tree budget); with no fork
         cached at this depth, lowering q's top token buys no hit and only costs acceptance."""
-        return NO_SCALING if self.spec.mode is Mode.SD or seq.seeded or fanout <= 0 else fanout
+        return NO_SCALING if self.spec.mode is Mode.SD or seq.params.seeded_sampling or fanout <= 0 else fanout
 
     def _uniforms(self, seqs: list[DraftSequence], keys: list[tuple[int, int, int]]) -> torch.Tensor:
         """[n, K] uniforms, row i for the chain answering outcome keys[i] = (round, k, bonus).
-        Seeded rows draw from a stream keyed by (seed, "draft", round, k, bonus), so the tree
+        Seeded sampled rows draw from a stream keyed by (seed, "draft", round, k, bonus), so the tree
         branch and a just-in-time draft for the same outcome draw the same numbers; other rows
         use torch's global RNG."""
         out = torch.rand(len(seqs), self.k, dtype=torch.float64)
         for i, (seq, key) in enumerate(zip(seqs, keys)):
-            if seq.seeded:
+            if seq.params.seeded_sampling:
                 stream = torch.Generator().manual_seed(_stream_seed(seq.params.seed, key))
                 out[i] = torch.rand(self.k, generator=stream, dtype=torch.float64)
         return out

@@ -41,10 +41,7 @@ def start_target(target: ModelRef, spec: SpeculativeConfig, runtime: RuntimeConf
         raise ValueError(f"launch must be one of {LAUNCHES}; got {launch!r}")
     options = dict(max_seqs=runtime.max_batch, max_seq_len=target_seq_len(spec, runtime),
                    max_batch_tokens=batch_tokens(spec, runtime))
-    if runtime.tensor_parallel_size == 1:
-        return load_executor(target, device=runtime.target_device, device_field="target_device",
-                             kept_prompts=runtime.prefix_cache_seqs, row_invariant=runtime.row_invariant, **options)
-    if runtime.target_backend is TargetBackend.TRTLLM:
+    if runtime.tensor_parallel_size > 1 and runtime.target_backend is TargetBackend.TRTLLM:
         # TensorRT-LLM runs its engine's T ranks itself (trtssd/trtllm/executor_target.py: the
         # executor's orchestrator or leader mode); the torch target kept for prefill and the request
         # checks loads whole, as at T = 1.
@@ -60,6 +57,7 @@ def start_target(target: ModelRef, spec: SpeculativeConfig, runtime: RuntimeConf
             raise ValueError(f"launch 'world' cannot run a TensorRT-LLM engine of tensor_parallel_size="
                              f"{runtime.tensor_parallel_size}: use launch 'spawn' or 'local' (TensorRT-LLM's "
                              "orchestrator mode starts the engine's ranks; docs/tensorrt_llm.md, Tensor parallelism)")
+    if runtime.tensor_parallel_size == 1 or runtime.target_backend is TargetBackend.TRTLLM:
         return load_executor(target, device=runtime.target_device, device_field="target_device",
                              kept_prompts=runtime.prefix_cache_seqs, row_invariant=runtime.row_invariant, **options)
     if runtime.target_backend is not TargetBackend.TORCH:

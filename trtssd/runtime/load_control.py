@@ -7,44 +7,9 @@ the slower one is tried again after a while, so a change of load or of acceptanc
 Each try that confirms the choice doubles the wait before the next (up to ``max_probe_every``).
 Every path is exact, so the choice changes speed, never the output distribution.
 
-Under serving the batch size changes with every arrival and departure, and a speculative round
-yields anything from 1 to K+1 tokens per row. So:
-
-- A rate is the ratio of running sums (tokens over seconds), and a try lasts until
-  ``speculative_try_rows`` (or ``plain_try_rows``) rows have been measured. A single round's
-  tokens/s at batch 1 is noise: taken as the verdict, one early rejection sent a batch of one to
-  plain rounds for most of a run on the Qwen pair, where speculation was 1.7x faster.
-- A row's first speculative rounds (just admitted, or back from plain rounds) miss, glue what the
-  draft has not seen, and wait for pre-speculation: such *unsteady* rounds are not measured,
-  unless they are all there is (``max_unsteady`` in a row). Plain rounds are unsteady while the
-  draft still pre-speculates for its last reply (they cannot borrow its cores yet,
-  trtssd/runtime/core_lending.py); that spell ends by itself, so they are never measured.
-- A batch size not yet measured borrows the answer of its neighbours, because speculation's
-  advantage shrinks as the batch grows: where plain rounds won at a smaller batch they win here,
-  where speculation won at a larger batch it wins here. Only a size with no such evidence is tried.
-
-A try of the slower choice also waits until the decided choice has run ``quiet_per_try`` times as
-long as that choice's last try took: the two choices' rounds may differ tenfold in length, and a
-try of speculation after plain rounds starts with the draft catching up on every token it missed,
-so a count of rounds would let tries take most of the time. Switching costs (unsteady rounds) and
-running sums wander, so between tries the choice changes only when the other one has measured
-``switch_margin`` faster, and so does a change of batch size.
-
-Where the forward costs of both ranks are known (the draft's calibration and the target's own),
-they bound what speculation can give: a ``ceiling``. Speculation is tried only while plain rounds
-are slower than it: as measured at the batch size, or, before any was measured there, as the
-target's calibrated forwards on the cores plain rounds run on forecast them (``plain``). So it is
-never tried where one core's draft costs what plain decoding on two does (the default ggml
-engine's self-draft), or where a verify on the target's one core costs more than the tokens it may
-yield take plainly (the Qwen pair on 2 cores), not even in a fresh server's first rounds. Once
-ruled out, it is tried again only when plain rounds measure ``switch_margin`` below the ceiling.
-
-A new batch size runs plain rounds first: they are short, and they measure what speculation must
-beat; speculation's try follows. What tries of speculation cost, the seconds their rounds (catch-up
-rounds included) took beyond what plain rounds would have taken for the same tokens, is at most
-``max_try_share`` of the seconds of all rounds so far, plus the one round that crosses it: a try
-starts only when one that costs what the last did fits, and a try that outgrows the share ends
-with what it measured. Where the costs are unknown this is what bounds a try that loses.
+How tries are measured and bounded, which rounds are not measured (*unsteady*), what a batch size
+borrows from its neighbours, and speculation's ceiling: docs/design/load-control.md, "How the
+choice is made".
 """
 
 from __future__ import annotations
@@ -160,7 +125,7 @@ class RoundChooser:
 
     def observe(self, speculative: bool, batch: int, tokens: int, seconds: float, steady: bool = True) -> None:
         """One round's result. ``steady``: False for a speculative round some row of which has
-        just started speculating (see the module docstring)."""
+        just started speculating (docs/design/load-control.md)."""
         if seconds <= 0:
             return
         b = self._entry(batch)
@@ -295,7 +260,7 @@ class RoundChooser:
                              else self.min_probe_every)
 
     def _inferred(self, batch: int) -> bool | None:
-        """The choice borrowed from measured neighbours (see the module docstring), or None."""
+        """The choice borrowed from measured neighbours (docs/design/load-control.md), or None."""
         plain_below = any(s < batch and self.choice(s) is False for s in self._by_batch)
         speculative_above = any(s > batch and self.choice(s) is True for s in self._by_batch)
         return None if plain_below == speculative_above else speculative_above  # none, or contradicting

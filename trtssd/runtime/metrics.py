@@ -99,29 +99,25 @@ class SpeculationMetrics:
             else:
                 setattr(self, f.name, mine + value)
 
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens emitted per verified round (accepted + the bonus)."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
-    @property
-    def cache_hit_rate(self) -> float:
-        total = self.cache_hits + self.cache_misses
-        return self.cache_hits / total if total else 0.0
-
     def summary(self) -> dict:
+        """Every counter, and the ratios read from them (0.0 where nothing was counted)."""
         out = asdict(self)
-        out["mean_acceptance_length"] = round(self.mean_acceptance_length, 4)
-        out["cache_hit_rate"] = round(self.cache_hit_rate, 4)
-        out["acceptance_rate_per_position"] = [
-            round(a / p, 4) if p else 0.0 for a, p in zip(self.accepted_per_position, self.proposed_per_position)
-        ]
-        out["mean_tree_branches"] = round(self.tree_branches / self.num_drafts, 4) if self.num_drafts else 0.0
-        out["mean_accepted_on_hit"] = round(self.accepted_on_hit / self.cache_hits, 4) if self.cache_hits else 0.0
-        out["mean_accepted_on_miss"] = round(self.accepted_on_miss / self.cache_misses, 4) if self.cache_misses else 0.0
+        # Tokens emitted per verified round: the accepted ones and the bonus.
+        out["mean_acceptance_length"] = (round(1.0 + self.num_accepted_tokens / self.num_drafts, 4)
+                                         if self.num_drafts else 0.0)
+        out["cache_hit_rate"] = _ratio(self.cache_hits, self.cache_hits + self.cache_misses)
+        out["acceptance_rate_per_position"] = [_ratio(a, p) for a, p in zip(self.accepted_per_position,
+                                                                            self.proposed_per_position)]
+        out["mean_tree_branches"] = _ratio(self.tree_branches, self.num_drafts)
+        out["mean_accepted_on_hit"] = _ratio(self.accepted_on_hit, self.cache_hits)
+        out["mean_accepted_on_miss"] = _ratio(self.accepted_on_miss, self.cache_misses)
         # Share of the round the target spent verifying rather than waiting for the draft.
-        out["overlap_efficiency"] = round(self.verify_time_s / self.round_time_s, 4) if self.round_time_s else 0.0
+        out["overlap_efficiency"] = _ratio(self.verify_time_s, self.round_time_s)
         return out
+
+
+def _ratio(part: float, whole: float) -> float:
+    return round(part / whole, 4) if whole else 0.0
 
 
 def _add(counts: list[int], more: list[int]) -> None:

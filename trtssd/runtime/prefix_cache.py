@@ -1,8 +1,7 @@
 """Prefix caching: a prompt's KV kept and found again by its tokens, so a request that repeats a
-prefix (a system prompt, earlier turns of a chat, tool schemas) prefills only the rest.
-
-Each rank keeps its own, over its own executor: the target for its prefill, the draft for its
-(the draft sees every prompt the target does, so it finds the same prefixes).
+prefix (a system prompt, earlier turns of a chat, tool schemas) prefills only the rest. Each rank
+keeps its own, over its own executor. Why kept prompts leave llama.cpp's cache, and why the cache
+holds the same with speculation on and off: docs/design/prefix-cache.md.
 
 - Prompts are cut into blocks of the executor's `PromptSplits.block` tokens. A block is known by
   the hash of its tokens and of every block before it (vLLM's chained block hash), so a hash
@@ -14,23 +13,14 @@ Each rank keeps its own, over its own executor: the target for its prefill, the 
 - Finished holders are kept up to ``max_kept`` and evicted least recently used first, also when
   the executor has no room for a new sequence, so the cache never refuses a request. An executor
   that can copy a prefix out (`save_prefix`, llama.cpp) keeps a finished holder's prompt KV in
-  host memory and releases the sequence, and a hit loads it back (`load_prefix`): llama.cpp
-  attends over every cell of its cache in every forward, so kept cells would slow each token of
-  the requests that follow (as llama-server's host-memory prompt cache does).
-- A cached prefix must give a fresh prefill's KV and logits, so it ends only where the executor
-  allows a prompt to be split (`PromptSplits.allows`: anywhere on torch; on llama.cpp where the
-  rest stays on the kernels one prefill uses), it is found only by prompts whose prefill runs on
-  the kernels that wrote it (`PromptSplits.kind`, the root of the block hashes: on llama.cpp a
-  short prompt and a long one share no cached prefix), and only KV written by a prompt's prefill is
-  indexed, never generated tokens: they are decoded in other forward shapes, so their KV can
-  differ in the last bits from what a prefill of the same tokens writes.
+  host memory and releases the sequence; a hit loads it back (`load_prefix`).
+- A cached prefix gives a fresh prefill's KV and logits: it ends only where the executor allows a
+  prompt to be split (`PromptSplits.allows`), it is found only by prompts whose prefill runs on
+  the kernels that wrote it (`PromptSplits.kind`, the root of the block hashes), and only KV a
+  prompt's prefill wrote is indexed, never generated tokens' (decoded in other forward shapes,
+  their KV can differ in the last bits from what a prefill of the same tokens writes).
 - A hit is checked token by token against the holder's prompt: a hash collision costs a miss,
   never a wrong prefix.
-- Speculation changes nothing the cache holds: a holder's blocks are its prompt's, written by its
-  prefill, and a finished request leaves them alone (not its answer), so verify and tree rows,
-  rejected proposals and plain rounds leave every mode with the same cached prefixes. A chat's
-  next turn therefore reuses the earlier turns' prompts up to the last answer
-  (tests/test_prefix_cache_speculation.py).
 """
 
 from __future__ import annotations
@@ -118,11 +108,6 @@ class PrefixCache:
             self.executor.release(seq_id)
         self._kept[seq_id] = None
         while len(self._kept) > self.max_kept:
-            self._evict_oldest()
-
-    def clear(self) -> None:
-        """Forget every kept prompt (releasing those the executor still holds)."""
-        while self._kept:
             self._evict_oldest()
 
     def _lookup(self, prompt: list[int]) -> tuple[int, int] | None:

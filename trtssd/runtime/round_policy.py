@@ -2,17 +2,11 @@
 
 The target loop asks it what to run and tells it what happened; nothing else in the loop adapts.
 
-- Plain or speculative: load control (`load_control.RoundChooser`, SpeculativeConfig
-  .plain_under_load), bounded by what the forward costs let speculation give at most (its
-  ceiling, from the draft's calibrated forwards and the target's, `calibrate_target`).
-- Which k: K per round (`k_per_round.LengthChooser`, SpeculativeConfig.k_per_round).
+- Plain or speculative: load control (`load_control.RoundChooser`), bounded by its ceiling.
+- Which k: K per round (`k_per_round.LengthChooser`).
 - Whose cores: plain rounds (and a prefill the draft takes no part in) borrow the draft's cores
-  (`core_lending.CoreLending`); a speculative round runs on the target's own.
-- The draft's busy spell: after a reply (its pre-speculation) or a prefill it shares, the draft's
-  cores are busy for a while; a plain round meanwhile runs on the target's own cores and is not
-  the steady rate of plain rounds, so load control does not measure it.
-- The seed promise: a seeded sampled request promises the same output at any load, so a batch
-  holding one keeps speculating, and its rows are never left behind on the draft.
+  (`core_lending.CoreLending`), unless the draft is busy (`start_plain_round`).
+- The seed promise: a batch holding a seeded sampled request keeps speculating (`speculate`).
 
 Calibration is a step of its own (`calibrate_target`, called by the launcher: timing forwards
 takes seconds, and is stored per machine and model); constructing a policy times nothing.
@@ -115,13 +109,18 @@ class RoundPolicy:
         starts from a linear prior."""
         self.spec = spec
         self.lending = lending  # plain rounds (and prefill without a live draft) borrow the draft's cores
-        ceiling = None
+        ceiling = plain_s = None
         if spec.plain_under_load and draft_step_s and costs.forwards:
             ceiling = speculation_ceiling(CostCurve.from_mapping(draft_step_s, "draft forward seconds"),
                                           CostCurve.from_mapping(costs.forwards, "target forward seconds"), spec.k)
-        self.chooser = RoundChooser(ceiling=ceiling, plain=_plain_rate(costs.plain) if ceiling else None)
-        self.lengths = (LengthChooser(spec.k, _verify_costs(costs.forwards))
-                        if spec.k_per_round and spec.mode is not Mode.AR else None)
+            plain_s = CostCurve.from_mapping(costs.plain, "plain forward seconds") if costs.plain else None
+        # Plain rounds' tokens/s as their forwards' seconds forecast them (one token per row).
+        self.chooser = RoundChooser(ceiling=ceiling, plain=(lambda batch: batch / plain_s(batch)) if plain_s else None)
+        # K per round's verify seconds by rows: the timed forwards' shape, else a linear prior.
+        verify_costs = StepCostModel()
+        if costs.forwards:
+            verify_costs.calibrate(dict(costs.forwards))
+        self.lengths = LengthChooser(spec.k, verify_costs) if spec.k_per_round and spec.mode is not Mode.AR else None
         self._draft_busy_until = 0.0  # when the draft ends the pre-speculation it began after its last reply
         self._prefill_token_s = 0.0  # the target's last prefill, seconds per token (what the draft's costs at most)
         self._last_prespec_s = 0.0
@@ -141,11 +140,9 @@ class RoundPolicy:
 
     def draft_prefills_now(self, batch: int) -> bool:
         """Whether the draft prefills new sequences beside the target. Not where load control
-        expects plain rounds at this batch size (decided there, borrowed from a neighbour, or its
-        first try): the prefill then borrows the draft's cores, plain rounds are not held to the
-        target's own cores while the draft prefills (under a stream of arrivals that halved them),
-        and the draft learns of a sequence when it first speculates (its plain tokens are glued
-        then)."""
+        expects plain rounds at this batch size: the prefill then borrows the draft's cores, plain
+        rounds are not held to the target's own cores while the draft prefills (under a stream of
+        arrivals that halved them), and the draft learns of a sequence when it first speculates."""
         return not (self.spec.plain_under_load and self.chooser.expects_plain(batch))
 
     def catch_up_tokens(self, rows: list[Sequence], prefill_chunk: int) -> float:
@@ -209,20 +206,3 @@ class RoundPolicy:
                                  report.wait_s)
         # Forced tokens count: load control weighs plain rounds by what they emit.
         self.chooser.observe(report.speculative, report.batch, report.tokens, report.seconds, steady=report.steady)
-
-
-def _plain_rate(plain: Mapping[int, float] | None):
-    """batch -> the tokens/s of plain rounds' forwards (one token per row), or None."""
-    if not plain:
-        return None
-    curve = CostCurve.from_mapping(plain, "plain forward seconds")
-    return lambda batch: batch / curve(batch)
-
-
-def _verify_costs(forwards: Mapping[int, float] | None) -> StepCostModel:
-    """K per round's verify seconds by rows: the timed forwards' shape where there are any, else
-    a linear prior; scaled by every verify observed."""
-    costs = StepCostModel()
-    if forwards:
-        costs.calibrate(dict(forwards))
-    return costs

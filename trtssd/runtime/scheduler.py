@@ -61,12 +61,6 @@ class Scheduler:
 
     # --- requests ----------------------------------------------------------------------------
 
-    def new_sequence(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
-        """The record of a one-sample request (n = 1); `new_sequences` for any n."""
-        if params.n != 1:
-            raise ValueError(f"new_sequence makes one sample; use new_sequences for n = {params.n}")
-        return self.new_sequences(prompt, params, request_id)[0]
-
     def new_sequences(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> list[Sequence]:
         """The records of a request's ``params.n`` samples, checked (`FieldError`) and stamped
         with its arrival; safe to call beside a running loop (it reads only fixed sizes). `add`
@@ -193,20 +187,17 @@ class Scheduler:
     def prefill_groups(self, pieces: list[Piece]) -> list[list[Chunk]]:
         """Prompt pieces grouped so no forward exceeds the executor's token budget."""
         budget = self.target.capabilities.max_batch_tokens
-        groups: list[list[Chunk]] = []
-        current: list[Chunk] = []
+        groups: list[list[Chunk]] = [[]]
         size = 0
         for s, end in pieces:
-            n = end - s.prefilled
-            if current and size + n > budget:
-                groups.append(current)
-                current, size = [], 0
+            if groups[-1] and size + end - s.prefilled > budget:
+                groups.append([])
+                size = 0
             # Prompt logprobs need every row's logits; the KV is the same either way (Chunk.prompt).
             chunk = chain_chunk(s.seq_id, s.prompt[s.prefilled:end], s.prefilled,
                                 last_logits_only=s.params.prompt_logprobs is None)
-            current.append(dataclasses.replace(chunk, prompt=True))
-            size += n
-        groups.append(current)
+            groups[-1].append(dataclasses.replace(chunk, prompt=True))
+            size += end - s.prefilled
         return groups
 
     def prefilled(self, pieces: list[Piece], rows: list[torch.Tensor]) -> list[tuple[Sequence, torch.Tensor]]:
@@ -261,27 +252,22 @@ class Scheduler:
         """Take a waiting or running sequence out now (its rows and counts as at its finish);
         returns it with ``reason`` as its finish reason, or None when it is neither waiting,
         prefilling nor running."""
-        seq = next((s for s in self.waiting if s.seq_id == seq_id), None)
-        if seq is not None:
+        seq = next((s for s in (*self.waiting, *self.prefilling, *self.running) if s.seq_id == seq_id), None)
+        if seq is None:
+            return None
+        if seq in self.waiting:
             self.waiting.remove(seq)  # never admitted: no rows anywhere
             seq.finish_time = time.perf_counter()
-            self._hand_down(seq)
         else:
-            seq = next((s for s in self.running + self.prefilling if s.seq_id == seq_id), None)
-            if seq is None:
-                return None
-            if seq in self.prefilling:
-                self.prefilling.remove(seq)
-                self._hand_down(seq)
-            else:
-                self.running.remove(seq)
+            (self.running if seq in self.running else self.prefilling).remove(seq)
             self._free(seq)
+        self._hand_down(seq)
         seq.finish_reason = reason
         return seq
 
     def _hand_down(self, seq: Sequence) -> None:
-        """A sample that ended before its prompt was prefilled: the samples that were to take its
-        prompt's KV take the next one's, which prefills the prompt itself."""
+        """A sample that ended before its prompt was prefilled (none waits for a running one's):
+        the samples that were to take its prompt's KV take the next one's, which prefills it."""
         forks = [s for s in (*self.waiting, *self.prefilling) if s.fork_of is seq]
         for fork in forks:
             fork.fork_of = forks[0] if fork is not forks[0] else None

@@ -1,21 +1,15 @@
 """The target rank's loop: schedule -> decide -> run -> observe, one step at a time.
 
-Each step takes from the `Scheduler` (runtime/scheduler.py) the waiting requests it admits and the
-pieces of their prompts it prefills (the draft prefills them beside the target; a prompt's cached
-prefix is not prefilled again, a long prompt is prefilled over several steps; a request's n
-samples share one prefill, on the draft too), then runs one round
-for every running sequence, as the `RoundPolicy` (runtime/round_policy.py) decides: a plain round
-(one target step; always in `ar` mode) or a speculative one (in `sd`/`ssd` mode: send the last
-outcomes to the draft, receive the speculation, verify it in one k+1-token target pass, commit
-the accepted tokens). The policy learns from what each round did. Who scores the rows is a
-`Verifier` (runtime/verifiers.py). The target's own state (committed KV plus the pending bonus
-token) is always enough to continue alone, which is how a lost draft degrades to `ar` without
-losing or corrupting anything.
+Each step takes from the `Scheduler` (runtime/scheduler.py) the requests it admits and the
+pieces of their prompts it prefills (the draft prefills them beside the target), then runs one
+round for every running sequence, as the `RoundPolicy` (runtime/round_policy.py) decides: a
+plain round (one target step; always in `ar` mode) or a speculative one (send the last outcomes
+to the draft, receive the speculation, have a `Verifier` (runtime/verifiers.py) verify it in one
+k+1-token target pass). The target's own state (committed KV plus the pending bonus token) is
+always enough to continue alone: a lost draft degrades to `ar` without losing anything.
 
-The loop deals in token ids only: stops by token (EOS, stop_token_ids, max_tokens) end a sequence
-here (`Sequence.emit`); text and stop strings are the output processor's
-(trtssd/text/output_processor.py), which cuts the output where one completes and ends the sequence
-through `stop`.
+The loop deals in token ids only: text and stop strings are the output processor's
+(trtssd/text/output_processor.py), which ends a sequence a stop string ends through `stop`.
 """
 
 from __future__ import annotations
@@ -71,7 +65,10 @@ class TargetLoop:
     # --- requests (the scheduler's; safe to call beside a running loop where it says so) ------
 
     def new_sequence(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
-        return self.scheduler.new_sequence(prompt, params, request_id)
+        """The record of a one-sample request (n = 1); `new_sequences` for any n."""
+        if params.n != 1:
+            raise ValueError(f"new_sequence makes one sample; use new_sequences for n = {params.n}")
+        return self.scheduler.new_sequences(prompt, params, request_id)[0]
 
     def new_sequences(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> list[Sequence]:
         return self.scheduler.new_sequences(prompt, params, request_id)
@@ -309,13 +306,13 @@ class TargetLoop:
         total_emitted = 0
         for i, seq in enumerate(seqs):
             n, bonus = result.num_accepted[i], result.bonus[i]
-            verified = forced[i] or proposals[i]
-            out = seq.emit(verified[:n] + [bonus], result.logprobs[i] if result.logprobs else None)
+            tokens = (forced[i] or proposals[i])[:n] + [bonus]
+            out = seq.emit(tokens, result.logprobs[i] if result.logprobs else None)
             outputs.append(out)
             # Count only what was emitted: a stop inside the round cuts accepted tokens too.
             emitted = len(out.new_token_ids)
-            if forced[i]:
-                seq.outcome = _grammar_outcome(seq.seq_id, forced[i][:n] + [bonus], k)
+            if forced[i]:  # the draft learns the tokens as a bonus (none of its speculation) and plain ones
+                seq.outcome = P.Outcome(seq.seq_id, 0, tokens[0], plain=tuple(tokens[1:]), num_drafts=k, grammar=True)
                 seq.metrics.record_grammar_round(len(forced[i]), min(n, emitted))
             else:
                 seq.outcome = P.Outcome(seq.seq_id, n, bonus, num_drafts=k)
@@ -382,9 +379,3 @@ def _proposal_tensor(rows: list[list[int]], k: int) -> torch.Tensor:
     for i, row in enumerate(rows):
         out[i, :len(row)] = torch.tensor(row[:k], dtype=torch.long)
     return out
-
-
-def _grammar_outcome(seq_id: int, emitted: list[int], k: int) -> P.Outcome:
-    """What the draft learns of a round that verified the grammar's tokens, not its speculation:
-    the emitted tokens, as a bonus (nothing of its speculation accepted) and plain tokens after."""
-    return P.Outcome(seq_id, 0, emitted[0], plain=tuple(emitted[1:]), num_drafts=k, grammar=True)

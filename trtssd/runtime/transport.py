@@ -2,17 +2,13 @@
 
 - `Channel`: small control messages over MPI. Waiting polls with `Iprobe` and sleeps between
   polls, because a blocking MPI receive busy-polls a whole core (on a 2-core machine that is
-  the core the other rank computes on). A channel with a `Doorbell` (the draft's) blocks
-  instead: the sender rings it after each message, so an idle draft takes no cycles from the
-  cores plain rounds borrow (trtssd/runtime/core_lending.py) and wakes within tens of microseconds.
+  the core the other rank computes on); the draft's channel blocks on a `Doorbell` instead, so
+  an idle draft takes no cycles from the cores plain rounds borrow (runtime/core_lending.py).
 - `RoundBuffers`: the bulk rows of a round, in two buffers so the draft can write round t+1 while
-  the target still reads round t. Two implementations:
-  - `SharedBuffers` (here): shared host memory. Backed by an MPI-3 shared-memory window when
-    both ranks share one MPI job (``mpiexec -n 2``), or by POSIX shared memory when the draft is
-    its own MPI job connected through an MPI port (the API's launch mode: MPICH kills every rank
-    of a job when one dies, so a separate job is what lets the target survive its draft).
-  - `CudaIpcBuffers` (trtssd/runtime/cuda_ipc.py): a device buffer on the draft's GPU that the
-    target maps once at start-up (unverified: never run on a GPU).
+  the target still reads round t: `SharedBuffers` (here) in shared host memory, an MPI-3 window
+  when both ranks are one MPI job, else POSIX shared memory (the draft its own MPI job:
+  draft_client.py); or `CudaIpcBuffers` (cuda_ipc.py) on the draft's GPU, mapped by the target
+  once at start-up (unverified: never run on a GPU).
 """
 
 from __future__ import annotations
@@ -74,14 +70,9 @@ class Doorbell:
     drains every ring before it probes MPI, so a ring can wake it early (it polls a little, then
     blocks again) but a message is never missed (`Channel.recv`)."""
 
-    def __init__(self, name: str, sock: socket.socket, listening: bool):
+    def __init__(self, name: str, sock: socket.socket):
         self.name = name
         self._sock = sock
-        self._listening = listening
-
-    @staticmethod
-    def new_name() -> str:
-        return f"trtssd-wake-{os.getpid()}-{uuid.uuid4().hex[:16]}"
 
     @classmethod
     def listen(cls, name: str) -> "Doorbell | None":
@@ -96,14 +87,14 @@ class Doorbell:
             log.warning("no doorbell %r (%s): waiting for messages by polling", name, err)
             return None
         sock.setblocking(False)
-        return cls(name, sock, listening=True)
+        return cls(name, sock)
 
     @classmethod
-    def ringer(cls, name: str) -> "Doorbell":
-        """The sending end of the doorbell ``name`` (listened on by the other rank, or not yet)."""
+    def ringer(cls) -> "Doorbell":
+        """The sending end of a new doorbell, which the other rank listens on once told its ``name``."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.setblocking(False)
-        return cls(name, sock, listening=False)
+        return cls(f"trtssd-wake-{os.getpid()}-{uuid.uuid4().hex[:16]}", sock)
 
     def ring(self) -> None:
         try:

@@ -3,8 +3,7 @@
 The default, `ExecutorVerifier`, is the target loop's own executor: one k+1-token forward per
 row, `spec_decode.verify`, and the commit of what was accepted. Another target engine
 (TensorRT-LLM, trtssd/trtllm/) plugs in behind the same calls; prefill stays on the loop's
-executor either way. Every position of a verify chain is scored by the target's processed
-distribution given its own prefix (a constrained row masked by its grammar along the chain).
+executor either way.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch.nn.functional import pad
 
 from trtssd.backends.base import Executor, chain_chunk
 from trtssd.runtime.sequence import Sequence
@@ -71,8 +71,9 @@ class ExecutorVerifier:
         rows = [row[:n] for row, n in zip(proposals.tolist(), counts)]
         chunks = [chain_chunk(s.seq_id, [s.bonus] + rows[i], self.target.committed(s.seq_id))
                   for i, s in enumerate(seqs)]
-        # [B, k+1, V]; a row with fewer proposals is padded (verify never reads past its count).
-        logits = constrained(torch.stack([_padded(out, k + 1) for out in self.target.forward(chunks)]), seqs, rows)
+        # [B, k+1, V]; a row with fewer proposals gets zero rows (verify never reads past its count).
+        padded = [pad(out, (0, 0, 0, k + 1 - len(out))) for out in self.target.forward(chunks)]
+        logits = constrained(torch.stack(padded), seqs, rows)
         result = verify(
             logits, proposals.clone(), torch.tensor(counts, dtype=torch.long), probs,
             torch.tensor(point_mass, dtype=torch.bool), [s.params for s in seqs],
@@ -113,13 +114,6 @@ def constrained(logits: torch.Tensor, seqs: list[Sequence], chains: list[list[in
     for i in rows:
         seqs[i].metrics.grammar_mask_time_s += spent
     return out
-
-
-def _padded(logits: torch.Tensor, rows: int) -> torch.Tensor:
-    """Logits [n, V] padded with zero rows to [rows, V]."""
-    if logits.shape[0] == rows:
-        return logits
-    return torch.cat([logits, logits.new_zeros(rows - logits.shape[0], logits.shape[1])])
 
 
 def emitted_logprobs(seqs: list[Sequence], logits: torch.Tensor, emitted: list[list[int]]) -> tuple[list[TokenLogprob] | None, ...]:

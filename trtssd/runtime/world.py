@@ -14,15 +14,12 @@ the same order on every rank): the target ranks' (rank 0 tells its followers, ov
 its torch.distributed store listens; trtssd/backends/tensor_parallel.py) and the link of rank 0
 and the draft (the draft's round buffers are a shared window over these two ranks only).
 
-A lost rank ends the job. MPICH's mpiexec kills every rank when one dies (MPICH 5.0.2 does so
-even with ``-disable-auto-cleanup``: its proxy signals the others), so requests in flight are
-lost with the job; launch "spawn", where rank 0 starts its followers and the draft itself, ends
-them with an error instead and goes on. Nothing is left behind either way: the killed ranks'
-processes are the launcher's to end, and the one thing a killed MPICH job leaves, its
-shared-memory segment (/dev/shm/mpich_shm_*, which MPICH unlinks only when every rank
-finalizes), has lost its name already: rank 0 unlinks it as soon as every rank has attached it
-(`world_groups`), the way a segment meant to vanish with its last user is made; the ranks'
-mappings stay valid until they exit.
+A lost rank ends the job: MPICH's mpiexec kills every rank when one dies, so requests in flight
+are lost with it (launch "spawn" ends them with an error instead and goes on:
+docs/design/tensor-parallelism.md). The one thing a killed MPICH job would leave, its
+shared-memory segment (/dev/shm/mpich_shm_*, unlinked only when every rank finalizes), has lost
+its name already: rank 0 unlinks it as soon as every rank has attached it (`world_groups`), as a
+segment meant to vanish with its last user is made; the ranks' mappings stay valid until they exit.
 """
 
 from __future__ import annotations
@@ -35,7 +32,8 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from trtssd.runtime.transport import require_mpi
+from trtssd.processes import SHM_DIR, mapped_segments, remove_files
+from trtssd.runtime.transport import MPICH_SHM_PREFIXES, require_mpi
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -52,10 +50,6 @@ class WorldGroups:
     targets: MPI.Intracomm | None  # ranks 0..T-1 (T > 1; None on the draft rank and at T = 1)
     link: MPI.Intracomm | None  # rank 0 (its rank 0) and the draft (its last rank); None on followers
 
-    @property
-    def is_draft(self) -> bool:
-        return self.rank == self.tensor_parallel_size
-
 
 @functools.lru_cache(maxsize=None)
 def world_groups(tensor_parallel_size: int) -> WorldGroups:
@@ -66,7 +60,8 @@ def world_groups(tensor_parallel_size: int) -> WorldGroups:
     size, rank = world.Get_size(), world.Get_rank()
     _check_one_host(world)  # collective: every rank is past MPI_Init, its segment attached
     if rank == 0:
-        _unlink_mpich_segments()
+        removed = remove_files(SHM_DIR + name for name in mapped_segments(os.getpid(), MPICH_SHM_PREFIXES))
+        log.debug("unlinked MPICH's segments, attached by every rank: %s", removed)
     if size != tensor_parallel_size + 1:
         raise ValueError(f"launch 'world' with tensor_parallel_size={tensor_parallel_size} needs mpiexec -n "
                          f"{tensor_parallel_size + 1} (ranks 0..{tensor_parallel_size - 1} the target, rank "
@@ -86,14 +81,6 @@ def _check_one_host(world: MPI.Intracomm) -> None:
         raise ValueError(f"launch 'world' runs every rank on one host; this job spans {sorted(hosts)}")
 
 
-def _unlink_mpich_segments() -> None:
-    from trtssd.runtime.transport import MPICH_SHM_PREFIXES
-    from trtssd.processes import SHM_DIR, mapped_segments, remove_files
-
-    removed = remove_files(SHM_DIR + name for name in mapped_segments(os.getpid(), MPICH_SHM_PREFIXES))
-    log.debug("unlinked MPICH's segments, attached by every rank: %s", removed)
-
-
 def serve_world_rank(tensor_parallel_size: int) -> bool:
     """On ranks 1..T of a launch "world" job: serve this rank's part (a target follower, or the
     draft) until rank 0 shuts it down, and return True. On rank 0 return False, to go on to
@@ -101,7 +88,7 @@ def serve_world_rank(tensor_parallel_size: int) -> bool:
     groups = world_groups(tensor_parallel_size)
     if groups.rank == 0:
         return False
-    if groups.is_draft:
+    if groups.rank == tensor_parallel_size:  # the last rank: the draft
         from trtssd.runtime.draft_rank import serve
 
         serve(groups.link, target_rank=0)

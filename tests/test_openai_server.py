@@ -610,3 +610,29 @@ def test_loglikelihood_request_as_lm_eval_sends_it(served):
         tops = lp["top_logprobs"][len(context):end]
         is_greedy = all(v == max(t.values()) for v, t in zip(got, tops))
         assert is_greedy == all(w.rank == 1 for w in want[len(context):])
+
+
+def test_a_closed_server_and_llm_hold_no_model_memory(tmp_path):
+    """Closing the LLM frees both ranks' models and KV at once, even while something still refers
+    to it: FastAPI keeps every route's endpoint (the server's bound methods, so the server and its
+    LLM) in a process-wide cache. Measured as the process's resident memory, which the open
+    server raises by the default engine's weights and KV."""
+    import ctypes
+    import gc
+
+    import psutil
+
+    def resident() -> float:
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap back to the system, as RSS counts it
+        return psutil.Process().memory_info().rss
+
+    before = resident()
+    with LLM(mode="ssd", launch="local", max_batch=2, max_model_len=256, fanout=(2, 1, 1, 1, 1, 1)) as llm, \
+            BackgroundServer(OpenAIServer(llm, MODEL)) as bg:
+        openai.OpenAI(base_url=bg.url + "/v1", api_key="none").completions.create(
+            model=MODEL, prompt="The cat", max_tokens=4, temperature=0)
+        opened = resident()
+    closed = resident()
+    assert opened - before > 200 * 2**20  # the models are in this process (draft local)
+    assert closed - before < 0.25 * (opened - before), (before, opened, closed)

@@ -143,8 +143,10 @@ def test_the_default_engine_on_three_target_ranks_from_the_command_line(mode):
     from trtssd.build import default_engine
 
     engine = default_engine()
+    # 256 positions: the four ranks' KV pools and scratch fit beside whatever else the machine runs
+    # (each rank checks its reservation against the host's free memory at its start).
     args = ["--engine", str(engine), "--prompt", "The capital of France is", "--prompt", "def fibonacci(n):",
-            "--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--json"]
+            "--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--json", "--max-model-len", "256"]
     proc = _mpiexec(4, str(BINDIR / "trtssd"), "generate", *args, "--mode", mode, "--launch", "world",
                     "--tensor-parallel-size", "3", "--no-plain-under-load")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -164,6 +164,11 @@ class Executor(Protocol):
         ggml target pads a lone token over a long cache with a filler row (trtssd/backends/
         ggml_backend.py), in which a plain round verifies a guess instead. 0 for most executors."""
 
+    def close(self) -> None:
+        """Free the model and its KV storage now, not when the executor is garbage collected
+        (idempotent; no other call follows). Whoever started the executor closes it: a closed
+        ``LLM`` holds no model memory even while something still refers to it."""
+
     def copy_slots(self, seq_id: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the KV at storage slots ``src`` (already written, not committed) to slots ``dst``
         (at or after the committed prefix), in every layer, as if gathered before scattering.

@@ -395,6 +395,7 @@ class TensorParallelExecutor:
             self._end_followers(started)
             leave_group()
         self._store = None
+        self.shard.close()
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:

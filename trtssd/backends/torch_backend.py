@@ -223,6 +223,11 @@ class TorchExecutor:
     def _scratch(self, tokens: int, seqs: int, queries: int, keys: int, logit_rows: int) -> int:
         return scratch_bytes(self.config, self.dtype, tokens, seqs, queries, keys, logit_rows)
 
+    def close(self) -> None:
+        self._kv, self._free_rows = [], []
+        self._seqs.clear()
+        self.model = None
+
     # -- sequences ---------------------------------------------------------------------------
 
     def add_sequence(self, seq_id: int) -> None:

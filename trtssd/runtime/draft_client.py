@@ -119,6 +119,7 @@ class LocalDraft:
 
     def close(self) -> None:
         self.alive = False
+        self.server.worker.executor.close()
 
 
 def _mpiexec() -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from trtssd.backends.base import Executor
 from trtssd.backends.loading import load_executor
-from trtssd.backends.tensor_parallel import TensorParallelExecutor, start_tensor_parallel_target
+from trtssd.backends.tensor_parallel import start_tensor_parallel_target
 from trtssd.config import ModelRef, RuntimeConfig, SpeculativeConfig, TargetBackend, batch_tokens
 from trtssd.runtime.draft_client import DraftClient, DraftLink, LocalDraft
 from trtssd.runtime.draft_rank import load_worker
@@ -80,9 +80,9 @@ def _trtllm_engine_tp_size(engine_dir: str) -> int:
 
 
 def close_target(executor: Executor) -> None:
-    """End what `start_target` started beside the executor (a tensor-parallel target's followers)."""
-    if isinstance(executor, TensorParallelExecutor):
-        executor.close()
+    """Free the target's model and KV now, and end what `start_target` started beside it (a
+    tensor-parallel target's followers)."""
+    executor.close()
 
 
 def start_draft(launch: str, draft: ModelRef, spec: SpeculativeConfig, runtime: RuntimeConfig,

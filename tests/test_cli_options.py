@@ -36,7 +36,7 @@ GIVEN = {
     "row_invariant": (["--no-row-invariant"], False),
     "target_device": (["--target-device", "cuda:1"], "cuda:1"), "draft_device": (["--draft-device", "cuda"], "cuda"),
     "transport": (["--transport", "cuda_ipc"], "cuda_ipc"),
-    "target_backend": (["--target-backend", "trtllm"], "trtllm"),
+    "verifier": (["--verifier", "trtllm"], "trtllm"),
     "trtllm_engine_dir": (["--trtllm-engine-dir", "/engines/t.trtllm"], "/engines/t.trtllm"),
 }
 
@@ -116,6 +116,11 @@ def test_a_renamed_option_keeps_its_old_flag_for_one_release(command):
     with pytest.raises(ValueError, match="--max-model-len: max_model_len and its deprecated name max_seq_len"):
         parse("--max-model-len", "300", "--max-seq-len", "200")
     assert "deprecated: use --max-model-len" in _subparser(command).format_help()
+    # --target-backend torch|trtllm is --verifier executor|trtllm ("torch" also named a ggml target's own).
+    with pytest.warns(FutureWarning, match="target_backend is deprecated: use verifier"):
+        assert parse("--target-backend", "torch")["verifier"] == "executor"
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="--trtllm-engine-dir: .*verifier 'trtllm'"):
+        parse("--target-backend", "trtllm")
 
 
 def test_a_renamed_option_keeps_its_old_keyword_for_one_release():
@@ -128,6 +133,10 @@ def test_a_renamed_option_keeps_its_old_keyword_for_one_release():
         LLM(max_seq_len=0)
     with pytest.raises(ValueError, match="max_model_len and its deprecated name max_seq_len were both given"):
         LLM(max_seq_len=64, max_model_len=64)
+    from trtssd.config import RuntimeConfig, renamed_options
+
+    with pytest.warns(FutureWarning, match="target_backend is deprecated: use verifier"):
+        assert RuntimeConfig(**renamed_options({"target_backend": "torch"})).verifier.value == "executor"
 
 
 def test_fanout_auto_and_a_fanout_that_fixes_k():
@@ -149,7 +158,7 @@ def test_fanout_auto_and_a_fanout_that_fixes_k():
     (["--draft-device", "gpu"], ["argument --draft-device:", "'cpu', 'cuda' or 'cuda:N'"]),
     (["--poll-interval-s", "1"], ["argument --poll-interval-s:", "(0, 0.1]"]),
     (["--transport", "cuda_ipc"], ["argument --transport:", "needs draft_device 'cuda' or 'cuda:N'"]),
-    (["--target-backend", "trtllm"], ["argument --trtllm-engine-dir:", "required with target_backend 'trtllm'"]),
+    (["--verifier", "trtllm"], ["argument --trtllm-engine-dir:", "required with verifier 'trtllm'"]),
 ])
 @pytest.mark.parametrize("command", [*COMMANDS, "bench"])
 def test_a_bad_value_is_a_usage_error_naming_its_option(command, words, said, capsys):

@@ -382,7 +382,7 @@ def test_sizes_and_backends_that_cannot_split_are_refused_before_anything_starts
     with pytest.raises(ValueError, match=r"tensor_parallel_size must be 1 for a target on the 'ggml' backend"):
         LLM(target=ModelRef(str(tmp_path / "m.gguf"), backend="ggml"), mode="ar", tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"trtllm_engine_dir: no tp_size readable from .*config.json"):
-        _llm(tiny, "ssd", target_backend="trtllm", trtllm_engine_dir=str(tmp_path))
+        _llm(tiny, "ssd", verifier="trtllm", trtllm_engine_dir=str(tmp_path))
     assert _children() == before  # nothing was started
 
 

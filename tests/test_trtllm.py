@@ -440,11 +440,11 @@ def test_trtllm_verifier_refuses_what_tensorrt_llm_cannot_honour(tiny):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(target_backend="tensorrt"), "target_backend must be one of 'torch', 'trtllm'"),
-    (dict(target_backend="trtllm"), "trtllm_engine_dir is required with target_backend 'trtllm'"),
+    (dict(verifier="tensorrt"), "verifier must be one of 'executor', 'trtllm'"),
+    (dict(verifier="trtllm"), "trtllm_engine_dir is required with verifier 'trtllm'"),
     (dict(trtllm_engine_dir="/x"), "allowed only with it"),
 ])
-def test_target_backend_options_name_the_field(kwargs, match):
+def test_verifier_options_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RuntimeConfig(**kwargs)
 
@@ -452,7 +452,7 @@ def test_target_backend_options_name_the_field(kwargs, match):
 @needs_no_trtllm
 def test_llm_with_the_trtllm_backend_says_what_is_missing(tiny, tmp_path):
     with pytest.raises(TensorRTLLMMissing, match="needs the Python package `tensorrt_llm`"):
-        _tiny_llm(tiny, "ar", target_backend="trtllm", trtllm_engine_dir=str(tmp_path))
+        _tiny_llm(tiny, "ar", verifier="trtllm", trtllm_engine_dir=str(tmp_path))
 
 
 # -- the drafter on a draft rank of its own --------------------------------------------------------
@@ -655,7 +655,7 @@ def test_the_verifier_refuses_an_engine_of_two_ranks_at_tensor_parallel_size_1(t
 
 
 def _trtllm_runtime(engine: Path, size: int) -> RuntimeConfig:
-    return RuntimeConfig(target_backend="trtllm", trtllm_engine_dir=str(engine), tensor_parallel_size=size,
+    return RuntimeConfig(verifier="trtllm", trtllm_engine_dir=str(engine), tensor_parallel_size=size,
                          max_model_len=64, max_batch=2)
 
 

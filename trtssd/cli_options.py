@@ -18,7 +18,8 @@ import types
 import typing
 from typing import Any, Callable
 
-from trtssd.config import RENAMED_OPTIONS, RuntimeConfig, SpeculativeConfig, renamed_options, speculative_config
+from trtssd.config import (RENAMED_OPTIONS, RENAMED_VALUES, RuntimeConfig, SpeculativeConfig, renamed_options,
+                           speculative_config)
 from trtssd.structured.constraint import Constraint, ConstraintError
 
 # Each config's options in a group of their own, titled for `--help`.
@@ -44,8 +45,10 @@ def add_engine_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = 
                 group.add_argument(flag(f.name), dest=f.name, default=None, help=_help(f), **_kind(f, hints[f.name]))
         for old, new in RENAMED_OPTIONS.items():
             if new in cls.__dataclass_fields__ and new not in skip:
-                group.add_argument(flag(old), dest=old, default=None, help=f"deprecated: use {flag(new)}",
-                                   **_kind(cls.__dataclass_fields__[new], hints[new]))
+                kind = _kind(cls.__dataclass_fields__[new], hints[new])
+                if kind.get("choices") and old in RENAMED_VALUES:  # the old words too
+                    kind["choices"] = [*kind["choices"], *RENAMED_VALUES[old]]
+                group.add_argument(flag(old), dest=old, default=None, help=f"deprecated: use {flag(new)}", **kind)
     # Which they are, for engine_options: a skipped name may be the command's own option (bench's --k).
     parser.set_defaults(engine_fields=tuple(name for name in ENGINE_FIELDS if name not in skip))
 

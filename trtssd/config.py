@@ -41,10 +41,11 @@ class Transport(str, enum.Enum):
     CUDA_IPC = "cuda_ipc"  # a device buffer on the draft's GPU, mapped by the target through CUDA IPC
 
 
-class TargetBackend(str, enum.Enum):
-    """What verifies the draft's rows on the target rank (prefill stays on the torch executor)."""
+class VerifierKind(str, enum.Enum):
+    """What verifies the draft's rows on the target rank (trtssd/runtime/verifiers.py); prefill
+    stays on the target's executor."""
 
-    TORCH = "torch"  # trtssd's own executor (trtssd/backends/)
+    EXECUTOR = "executor"  # the target's own executor (trtssd/backends/: torch or ggml)
     TRTLLM = "trtllm"  # a TensorRT-LLM 1.2.x engine through its Executor API (trtssd/trtllm/; unverified)
 
 
@@ -158,7 +159,9 @@ LEND_DRAFT_CORES = ("exact", "always", "never")
 
 # Options renamed so that each word means one thing (docs/layout.md, glossary): old name -> new.
 # The old names keep working for one release, with a deprecation warning.
-RENAMED_OPTIONS = {"max_seq_len": "max_model_len"}
+RENAMED_OPTIONS = {"max_seq_len": "max_model_len", "target_backend": "verifier"}
+# Values an old name took that its new one names otherwise.
+RENAMED_VALUES = {"target_backend": {"torch": "executor"}}
 
 
 def renamed_options(given: Mapping[str, Any]) -> dict[str, Any]:
@@ -170,7 +173,8 @@ def renamed_options(given: Mapping[str, Any]) -> dict[str, Any]:
             if new in options:
                 raise ValueError(f"{new} and its deprecated name {old} were both given: give {new} only")
             warnings.warn(f"option {old} is deprecated: use {new}", FutureWarning, stacklevel=3)
-            options[new] = options.pop(old)
+            value = options.pop(old)
+            options[new] = RENAMED_VALUES.get(old, {}).get(value, value)
     return options
 
 
@@ -212,8 +216,9 @@ class RuntimeConfig:
     draft_device: str = _opt("cpu", "the same for the draft rank (on one GPU both ranks may share it)")
     transport: Transport = _opt(Transport.AUTO, "how the draft's rows reach the target: auto (cuda_ipc when the "
                                 "draft is on CUDA), host or cuda_ipc")
-    target_backend: TargetBackend = _opt(TargetBackend.TORCH, "what verifies rounds on the target: torch, or trtllm "
-                                         "(a TensorRT-LLM engine; unverified)")
+    verifier: VerifierKind = _opt(VerifierKind.EXECUTOR, "what verifies rounds on the target: executor (the "
+                                  "target's own, torch or ggml) or trtllm (a TensorRT-LLM engine; unverified); was "
+                                  "--target-backend torch|trtllm, which still works for one release")
     trtllm_engine_dir: str | None = _opt(None, "the TensorRT-LLM target engine (with the trtllm target backend only; "
                                          "`trtssd build --backend trtllm` writes its build script)")
 
@@ -224,10 +229,10 @@ class RuntimeConfig:
         if self.transport is Transport.CUDA_IPC and not self.draft_device.startswith("cuda"):
             raise ValueError(f"transport 'cuda_ipc' needs draft_device 'cuda' or 'cuda:N' (the buffer lives on the "
                              f"draft's GPU); got draft_device {self.draft_device!r}")
-        object.__setattr__(self, "target_backend", _choice(TargetBackend, self.target_backend, "target_backend"))
-        if (self.target_backend is TargetBackend.TRTLLM) != (self.trtllm_engine_dir is not None):
-            raise ValueError("trtllm_engine_dir is required with target_backend 'trtllm' and allowed only with it; got "
-                             f"target_backend {self.target_backend.value!r}, trtllm_engine_dir {self.trtllm_engine_dir!r}")
+        object.__setattr__(self, "verifier", _choice(VerifierKind, self.verifier, "verifier"))
+        if (self.verifier is VerifierKind.TRTLLM) != (self.trtllm_engine_dir is not None):
+            raise ValueError("trtllm_engine_dir is required with verifier 'trtllm' and allowed only with it; got "
+                             f"verifier {self.verifier.value!r}, trtllm_engine_dir {self.trtllm_engine_dir!r}")
         for name in ("max_batch", "max_model_len", "target_threads", "draft_threads", "tensor_parallel_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:

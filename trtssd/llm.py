@@ -11,7 +11,7 @@ import dataclasses
 import logging
 from typing import Iterator, Sequence
 
-from trtssd.config import (Mode, ModelRef, RuntimeConfig, SpeculativeConfig, TargetBackend, renamed_options,
+from trtssd.config import (Mode, ModelRef, RuntimeConfig, SpeculativeConfig, VerifierKind, renamed_options,
                            speculative_config)
 from trtssd.cores import cores_besides, pin, pin_thread, restore, split_cores
 from trtssd.devices import resolve_device
@@ -50,7 +50,7 @@ class LLM:
     comes from the engine manifest's tuned ``speculation``, then from the dataclasses' defaults.
     An unknown keyword is a TypeError naming the allowed ones. target_device / draft_device: "cpu"
     (default), "cuda" or "cuda:N"; each rank loads its model there (CUDA: unverified, never run on a GPU).
-    target_backend: "torch" (default) or "trtllm": rounds verified by the TensorRT-LLM 1.2.x engine
+    verifier: "executor" (default: the target's own) or "trtllm": rounds verified by the TensorRT-LLM 1.2.x engine
              in ``trtllm_engine_dir`` (docs/tensorrt_llm.md; unverified: never run); prefill stays
              on the torch target.
     """
@@ -123,7 +123,7 @@ class LLM:
 
     def _verifier(self, vocab_size: int) -> Verifier | None:
         """The target's rounds: None = the torch executor's own (TargetLoop's default)."""
-        if self.runtime.target_backend is TargetBackend.TORCH:
+        if self.runtime.verifier is VerifierKind.EXECUTOR:
             return None
         # Injected from here: the runtime may not import the TensorRT-LLM layer, which sits on
         # top of it (tests/test_layering.py); that layer and tensorrt_llm are imported only now.

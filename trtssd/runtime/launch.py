@@ -16,7 +16,7 @@ from pathlib import Path
 from trtssd.backends.base import Executor
 from trtssd.backends.loading import load_executor
 from trtssd.backends.tensor_parallel import start_tensor_parallel_target
-from trtssd.config import ModelRef, RuntimeConfig, SpeculativeConfig, TargetBackend, batch_tokens
+from trtssd.config import ModelRef, RuntimeConfig, SpeculativeConfig, VerifierKind, batch_tokens
 from trtssd.runtime.draft_client import DraftClient, DraftLink, LocalDraft
 from trtssd.runtime.draft_rank import load_worker
 from trtssd.runtime.world import world_groups
@@ -41,7 +41,7 @@ def start_target(target: ModelRef, spec: SpeculativeConfig, runtime: RuntimeConf
         raise ValueError(f"launch must be one of {LAUNCHES}; got {launch!r}")
     options = dict(max_seqs=runtime.max_batch, max_seq_len=target_seq_len(spec, runtime),
                    max_batch_tokens=batch_tokens(spec, runtime))
-    if runtime.tensor_parallel_size > 1 and runtime.target_backend is TargetBackend.TRTLLM:
+    if runtime.tensor_parallel_size > 1 and runtime.verifier is VerifierKind.TRTLLM:
         # TensorRT-LLM runs its engine's T ranks itself (trtssd/trtllm/executor_target.py: the
         # executor's orchestrator or leader mode); the torch target kept for prefill and the request
         # checks loads whole, as at T = 1.
@@ -57,12 +57,9 @@ def start_target(target: ModelRef, spec: SpeculativeConfig, runtime: RuntimeConf
             raise ValueError(f"launch 'world' cannot run a TensorRT-LLM engine of tensor_parallel_size="
                              f"{runtime.tensor_parallel_size}: use launch 'spawn' or 'local' (TensorRT-LLM's "
                              "orchestrator mode starts the engine's ranks; docs/tensorrt_llm.md, Tensor parallelism)")
-    if runtime.tensor_parallel_size == 1 or runtime.target_backend is TargetBackend.TRTLLM:
+    if runtime.tensor_parallel_size == 1 or runtime.verifier is VerifierKind.TRTLLM:
         return load_executor(target, device=runtime.target_device, device_field="target_device",
                              kept_prompts=runtime.prefix_cache_seqs, row_invariant=runtime.row_invariant, **options)
-    if runtime.target_backend is not TargetBackend.TORCH:
-        raise ValueError(f"tensor_parallel_size must be 1 with target_backend {runtime.target_backend.value!r} (only "
-                         f"the torch and trtllm targets are split); got {runtime.tensor_parallel_size}")
     targets = world_groups(runtime.tensor_parallel_size).targets if launch == "world" else None
     options["max_seqs"] += runtime.prefix_cache_seqs  # torch keeps kept prompts as sequences (load_side)
     return start_tensor_parallel_target(target, runtime, targets=targets, **options)

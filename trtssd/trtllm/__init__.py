@@ -5,7 +5,7 @@
   for an engine's target and draft, written to a script and run where TensorRT-LLM is installed.
 - ``executor_target``: the target's verification through the 1.2.x Executor API with
   ``ExternalDraftTokensConfig``, and the outcome sent to the draft rank.
-- ``verifier``: the target loop's rounds on that executor (``LLM(target_backend="trtllm")``).
+- ``verifier``: the target loop's rounds on that executor (``LLM(verifier="trtllm")``).
 - ``drafter``: a ``Drafter`` for TensorRT-LLM's PyTorch backend that asks a trtssd draft rank (a
   running one, or one it starts for itself) for its speculation.
 

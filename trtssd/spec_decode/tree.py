@@ -38,10 +38,6 @@ class TreeLayout:
     def glue_len(self) -> int:
         return self.k + 1 if self.glued else 0
 
-    def region_len(self) -> int:
-        """Region slots used by glue plus a full K-step tree."""
-        return self.glue_len + self.k * self.num_branches
-
     def step_chunk(self, step: int, tokens: torch.Tensor) -> Chunk:
         """The forward input of tree step ``step`` (0 feeds the fork tokens themselves)."""
         nb, g = self.num_branches, self.glue_len

@@ -67,9 +67,9 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     its option."""
     given = {name: getattr(args, name) for name in args.engine_fields if getattr(args, name) is not None}
     renamed = {old: getattr(args, old) for old in RENAMED_OPTIONS if getattr(args, old, None) is not None}
-    spec = {name: value for name, value in given.items() if name in SpeculativeConfig.__dataclass_fields__}
     try:
         given = renamed_options({**given, **renamed})
+        spec = {name: value for name, value in given.items() if name in SpeculativeConfig.__dataclass_fields__}
         speculative_config(spec)
         RuntimeConfig(**{name: value for name, value in given.items() if name not in spec})
     except ValueError as err:

@@ -144,22 +144,100 @@ def test_plain_decoding_on_borrowed_cores_keeps_rows_exact(smollm2_gguf):
 
 
 def test_a_short_sequence_after_others_left_is_compacted_instead_of_padded(smollm2_gguf):
-    """A request that came and went leaves its cells in the trash, so the next short request's
-    one-token forwards lie past the split: the cache is compacted once instead of a filler row
-    beside every token (which trashes a cell per token), and the rows stay exact."""
+    """A request that came and went beside a running one leaves its cells in the trash, so the
+    next short request's one-token forwards lie past the split: the cache is compacted once
+    instead of a filler row beside every token (which trashes a cell per token), and the rows
+    stay exact."""
     prompt = _prompt(40, 6)
-    ex = GgmlExecutor(smollm2_gguf, max_seqs=2, max_seq_len=1024, threads=1)
+    ex = GgmlExecutor(smollm2_gguf, max_seqs=3, max_seq_len=1024, threads=1)
     _, ref = _ar_logits(ex, prompt, 8)
     ex.close()
-    ex = GgmlExecutor(smollm2_gguf, max_seqs=2, max_seq_len=1024, threads=2)
-    ex.add_sequence(3)
-    ex.forward([chain_chunk(3, _prompt(230, 7), 0, last_logits_only=True)])  # trash stays below a compaction
-    ex.commit(3, 230)
+    ex = GgmlExecutor(smollm2_gguf, max_seqs=3, max_seq_len=1024, threads=2)
+    for seq_id, n in ((4, 10), (3, 230)):  # 4 stays live; 3's trash stays below a compaction
+        ex.add_sequence(seq_id)
+        ex.forward([chain_chunk(seq_id, _prompt(n, seq_id), 0, last_logits_only=True)])
+        ex.commit(seq_id, n)
     ex.release(3)
     _, got = _ar_logits(ex, prompt, 8)
     assert ex._trashed == 48  # the 40 + 8 cells just released; no filler was trashed on the way
     ex.close()
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_a_cache_holding_only_trash_is_emptied_at_no_cost(smollm2_gguf):
+    """When the last live sequence leaves (one user's requests one after another), every cell is
+    freed at once, with no compaction (which clears llama.cpp's whole cache buffer: its cost grows
+    with the cache's size), and the next request's rows equal a fresh cache's bit for bit."""
+    prompt = _prompt(40, 6)
+    ex = GgmlExecutor(smollm2_gguf, max_seqs=2, max_seq_len=1024, threads=2)
+    _, ref = _ar_logits(ex, prompt, 8)
+    ex.add_sequence(3)
+    ex.forward([chain_chunk(3, _prompt(230, 7), 0, last_logits_only=True)])
+    ex.commit(3, 230)
+    ex.release(3)
+    assert (ex._allocated, ex._trashed) == (0, 0)
+    _, got = _ar_logits(ex, prompt, 8)
+    assert ex.upkeep_s == 0.0  # never compacted
+    ex.close()
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def _region_chunk(seq_id: int, tokens: list[int], positions: list[int], slots: list[int],
+                  mask: list[list[int]]) -> Chunk:
+    return Chunk(seq_id, torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots),
+                 torch.tensor(mask, dtype=torch.bool))
+
+
+def test_a_compaction_lays_shared_and_branching_cells_back_exactly(smollm2_gguf, monkeypatch):
+    """A compaction copies out only the live cells, group by group of the lanes holding them (a
+    prefix two sequences share, a tree's trunk and its branches), and lays them back without
+    clearing llama.cpp's whole cache: the next forward's rows equal those without a compaction,
+    bit for bit."""
+
+    def run(compact: bool) -> list[torch.Tensor]:
+        ex = GgmlExecutor(smollm2_gguf, max_seqs=4, max_seq_len=256, threads=2)
+        for seq_id, prompt in ((0, _prompt(40, 1)), (9, _prompt(50, 9))):
+            ex.add_sequence(seq_id)
+            ex.forward([chain_chunk(seq_id, prompt, 0, last_logits_only=True)])
+            ex.commit(seq_id, len(prompt))
+        ex.release(9)  # its cells go to the trash below the live ones that follow
+        ex.add_sequence(1)
+        ex.share_prefix(0, 1, 16)
+        ex.forward([chain_chunk(1, _prompt(12, 2), 16, last_logits_only=True)])
+        ex.commit(1, 12)
+        ex.add_sequence(2)
+        ex.forward([chain_chunk(2, _prompt(20, 3), 0, last_logits_only=True)])
+        ex.commit(2, 20)
+        rows = ex.forward([chain_chunk(2, [11, 12], 20), chain_chunk(0, [5, 6], 40), chain_chunk(1, [7], 28)])
+        ex.commit(0, 2)
+        # A branch beside token 12: tokens 13 and 14 continue token 11 (slots 22 and 23).
+        rows += ex.forward([_region_chunk(2, [13, 14], [21, 22], [22, 23], [[1, 0, 1, 0], [1, 0, 1, 1]])])
+        if compact:
+            ex.compact()
+            assert ex._trashed == 0 and ex.upkeep_s > 0
+        rows += ex.forward([_region_chunk(2, [15], [23], [24], [[1, 0, 1, 1, 1]]),  # on the branch
+                            chain_chunk(0, [8], 42), chain_chunk(1, [9, 10], 28)])
+        ex.close()
+        return rows
+
+    def whole_state(self):
+        raise AssertionError("a compaction cleared llama.cpp's whole cache")
+
+    monkeypatch.setattr(GgmlExecutor, "_restore_whole_state", whole_state)
+    expected, got = run(False), run(True)
+    assert len(got) == len(expected) == 7
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_a_lane_that_leaves_a_group_and_comes_back_is_compacted_whole():
+    """Groups laid one after another cannot keep a lane's cells in order when its cells go from
+    one group to another and back: no group order, so the compaction saves the whole state."""
+    from trtssd.backends.ggml_backend import _Cell, _restore_order
+
+    a, b, c = _Cell(0), _Cell(1), _Cell(2)
+    assert _restore_order({1: [a, b, c], 2: [a, c]}) is None
+    order = _restore_order({1: [a, b], 2: [a, c]})
+    assert [lanes for lanes, _ in order][0] == (1, 2) and {lanes for lanes, _ in order} == {(1, 2), (1,), (2,)}
 
 
 def test_a_full_cache_copies_at_most_two_cells_per_cell_its_compactions_free(tiny_gguf):

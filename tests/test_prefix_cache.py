@@ -37,13 +37,16 @@ def test_tiled_splits_keep_each_row_on_one_prefills_kernels():
 
     s = TiledPromptSplits(63)  # a file whose matmuls keep rows exact in any forward below 64 tokens
     assert [at for at in range(1, 300) if s.allows(at, 300)] == [64, 128, 192]  # the rest at 256 is 44 < 64
-    # A short prompt: one-row kernels whatever the split, on any block; never found by a long one.
-    assert [at for at in range(1, 60) if s.allows(at, 60)] == [16, 32, 48]
+    # A short prompt: one-row kernels whatever the split, after any token; never found by a long one.
+    assert [at for at in range(1, 60) if s.allows(at, 60)] == list(range(1, 60))
+    assert s.last_split(0, 37, 60) == 37 and s.next_split(37, 60) == 38
     assert s.kind(60) != s.kind(64)
-    k_quant = TiledPromptSplits(7)  # the tiled matmul from 8 rows: the rest stays at 8 or more
+    k_quant = TiledPromptSplits(7)  # the tiled matmul from 8 rows, by block: the rest stays at 8 or more
     assert [at for at in range(1, 60) if k_quant.allows(at, 60)] == [16, 32, 48]
     assert [at for at in range(1, 40) if k_quant.allows(at, 40)] == [16, 32]
     assert [at for at in range(1, 36) if k_quant.allows(at, 36)] == [16]  # 36 - 32 = 4 rows: one-row matmul
+    assert [at for at in range(1, 7) if k_quant.allows(at, 7)] == list(range(1, 7))  # one-row kernels only
+    assert k_quant.last_split(0, 37, 40) == 32
     assert k_quant.kind(7) != k_quant.kind(8) != k_quant.kind(64)
     # At the cut (512) the short rest is a piece of one prefill too.
     assert [at for at in range(1, 530) if s.allows(at, 530)] == [64, 128, 192, 256, 320, 384, 448, 512]
@@ -80,8 +83,8 @@ def test_ggml_prompt_split_where_allowed_equals_one_prefill_bit_for_bit(length):
 
 def test_short_prompts_sharing_a_template_reuse_it_and_long_prompts_never_do():
     """Chat prompts shorter than a tile share their template's blocks on llama.cpp (one-row
-    kernels, no alignment): a saved 45-token prompt gives a 50-token one its first 32 tokens,
-    bit for bit; a long prompt's prefix, written on tiled attention, is not found by a short
+    kernels, no alignment): a saved 45-token prompt gives a 50-token one the 35 tokens they
+    share, bit for bit; a long prompt's prefix, written on tiled attention, is not found by a short
     prompt, nor a short one's by a long prompt."""
     pytest.importorskip("llama_cpp")
     from trtssd.backends.ggml_backend import GgmlExecutor
@@ -99,8 +102,8 @@ def test_short_prompts_sharing_a_template_reuse_it_and_long_prompts_never_do():
         _prefill(ex, seq_id, prompt, 0)
         cache.index(seq_id, prompt)
         cache.finish(seq_id)
-    assert cache.start(3, short_b) == 32  # short_a's blocks; long_c's are of another kind
-    assert torch.equal(_prefill(ex, 3, short_b[32:], 32), fresh)
+    assert cache.start(3, short_b) == 35  # short_a's prompt; long_c's is of another kind
+    assert torch.equal(_prefill(ex, 3, short_b[35:], 35), fresh)
     assert cache.start(4, template + _prompt(70, 13)) == 0  # a long prompt never reuses short_a's
     ex.close()
 
@@ -199,11 +202,12 @@ def test_longest_cached_prefix_is_shared():
     cache.index(0, a)
     cache.finish(0)  # kept
     assert cache.start(1, b) == 0
-    assert cache.start(2, a[:70] + b) == 64  # whole 16-token blocks only
-    assert cache.start(3, a) == 96  # never the whole prompt: its last logits must be computed
-    assert rows.shares == [(0, 2, 64), (0, 3, 96)]
+    assert cache.start(2, a[:70] + b) == 70  # found by its blocks, followed token by token
+    assert cache.start(3, a) == 99  # never the whole prompt: its last logits must be computed
+    assert cache.start(6, a[:15] + b) == 0  # not one whole block in common: nothing finds it
+    assert rows.shares == [(0, 2, 70), (0, 3, 99)]
     cache.index(1, b)  # a running sequence holds its blocks too
-    assert cache.start(4, b + [7]) == 96 and rows.shares[-1][0] == 1
+    assert cache.start(4, b + [7]) == 100 and rows.shares[-1][0] == 1
     assert cache.start(5, a, reuse=False) == 0  # a request that wants every prompt row's logits
 
 
@@ -222,7 +226,7 @@ def test_least_recently_used_goes_first_and_a_full_executor_evicts_instead_of_re
     cache = PrefixCache(rows, max_kept=2)
     prompts = _run_to_the_end(cache, 3)
     assert rows.live == {1, 2}  # max_kept 2: the oldest (0) went
-    assert cache.start(10, prompts[1] + [1]) == 32  # 1 is now the most recently used
+    assert cache.start(10, prompts[1] + [1]) == 40  # 1 is now the most recently used
     cache.start(11, _prompt(40, 9))  # the executor is full: the least recently used (2) goes
     assert rows.live == {1, 10, 11}
     with pytest.raises(CapacityError):  # only running sequences left: the executor's own error
@@ -252,15 +256,15 @@ def test_an_executor_that_saves_prefixes_holds_only_running_sequences():
     cache = PrefixCache(rows, max_kept=2)
     prompts = _run_to_the_end(cache, 3)
     assert rows.live == set()  # kept in host memory, released from the executor
-    assert cache.start(10, prompts[2] + [1]) == 32 and rows.loads == [(2, 10, 32)] and not rows.shares
+    assert cache.start(10, prompts[2] + [1]) == 40 and rows.loads == [(2, 10, 40)] and not rows.shares
     cache.index(10, prompts[2] + [1])  # running: a later hit shares its rows instead
-    assert cache.start(11, prompts[2] + [2]) == 32 and rows.shares == [(10, 11, 32)]
+    assert cache.start(11, prompts[2] + [2]) == 40 and rows.shares == [(10, 11, 40)]
     with pytest.raises(CapacityError):  # saved prompts hold no executor sequence to give back
         cache.start(12, prompts[0])
     cache.finish(11)  # unindexed: released
     assert cache.start(12, prompts[0]) == 0  # evicted: two kept (1 and 2)
     cache.finish(12)
-    assert cache.start(13, prompts[1] + [3]) == 32 and rows.loads[-1] == (1, 13, 32)
+    assert cache.start(13, prompts[1] + [3]) == 40 and rows.loads[-1] == (1, 13, 40)
 
 
 def test_a_hash_collision_is_a_miss_never_a_wrong_prefix(monkeypatch):
@@ -323,9 +327,10 @@ def test_torch_outputs_with_prefix_cache_and_chunks_equal_outputs_without(tiny_l
         # torch keeps the kept prompts as sequences: room for them beside the running batch (8).
         assert _executor_sequences(llm) == ((10, 10) if mode != "ar" else (10,))
     assert got == expected
-    # The second and third share the first's 150 tokens in 16-token blocks. The first's own
-    # blocks were evicted by then (two kept): its repeat finds the shared part in the third's.
-    assert cached == [0, 144, 144, 0, 144]
+    # The second and third share the first's 150 tokens (found by 16-token blocks, followed token
+    # by token). The first's own prompt was evicted by then (two kept): its repeat finds the
+    # shared part in the third's.
+    assert cached == [0, 150, 150, 0, 150]
     if mode != "ar":
         assert draft_cached == cached
 
@@ -343,7 +348,7 @@ def test_seeded_sampled_requests_take_no_prefix_whose_reuse_only_rounds_alike(ti
         _, greedy_cached, _ = _outputs(llm, greedy)
     assert got == expected
     assert cached == draft_cached == [0] * 5
-    assert greedy_cached[1:3] == [144, 144]
+    assert greedy_cached[1:3] == [150, 150]
 
 
 def test_only_executors_whose_split_prefill_keeps_the_bits_give_seeded_requests_a_prefix():
@@ -379,7 +384,7 @@ def test_ggml_outputs_with_prefix_cache_and_chunks_equal_outputs_without(tmp_pat
     # The target reuses 64-token tiles leaving at least 64 tokens (or a 512 cut) to prefill.
     assert cached == [0, 64, 128, 0, 64]
     if mode != "ar":
-        assert draft_cached == [0, 144, 144, 0, 144]  # the draft's rows need no such care
+        assert draft_cached == [0, 150, 150, 0, 150]  # the draft's rows need no such care
 
 
 def test_chunked_prefill_interleaves_a_long_prompt_with_running_rounds(tiny_llm):

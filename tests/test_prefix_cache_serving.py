@@ -44,9 +44,11 @@ def server():
 
 def _reusable(splits, shared: int, length: int) -> int:
     """The longest cached prefix a prompt of ``length`` tokens sharing ``shared`` with a cached one
-    gets: whole blocks, ending where the target may split a prompt."""
-    ends = [n for n in range(splits.block, shared + 1, splits.block) if splits.allows(n, length)]
-    return max(ends, default=0)
+    gets: at least a whole block, short of the whole prompt, ending where the target may split a
+    prompt."""
+    shared = min(shared, length - 1)
+    ends = [n for n in range(1, shared + 1) if splits.allows(n, length)]
+    return max(ends, default=0) if shared >= splits.block else 0
 
 
 def _complete(client: openai.OpenAI, prompt: list[int]) -> tuple[str, int]:
@@ -69,14 +71,14 @@ def test_a_repeated_long_prefix_hits_the_cache_on_both_ranks(server):
     other, other_cached = _complete(client, PREFIX + _ids(30, 2))
     after = _counters(server.url)
     assert again == first  # greedy output with the cache equals output without
-    # Whole blocks, short of the whole prompt (16-token blocks on torch, 1,008 and 992 tokens;
-    # on a ggml target 64-token tiles leaving a long enough rest, 896 and 960).
+    # The shared prefix, short of the whole prompt (on torch 1,019 and 1,000 tokens; on a ggml
+    # target 64-token tiles leaving a long enough rest, 896 and 960).
     expected = (_reusable(server.splits, 1020, 1020), _reusable(server.splits, 1000, 1030))
     assert (cached, other_cached) == expected and min(expected) >= 896
     assert after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"] == 1020 + 1030
     assert after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"] == sum(expected)
-    # The draft (never row-invariant) reuses 16-token blocks.
-    assert after["trtssd:draft_prefix_cache_hits_total"] - before["trtssd:draft_prefix_cache_hits_total"] == 1008 + 992
+    # The draft (never row-invariant) reuses the whole shared prefix.
+    assert after["trtssd:draft_prefix_cache_hits_total"] - before["trtssd:draft_prefix_cache_hits_total"] == 1019 + 1000
 
 
 def test_a_small_cache_evicts_without_losing_a_request(server):

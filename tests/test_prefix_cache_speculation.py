@@ -52,10 +52,11 @@ def _chats(answer) -> list[list[dict]]:
 
 def _reusable(splits: PromptSplits, prompt: list[int], earlier: list[list[int]]) -> int:
     """What the cache's rule gives ``prompt`` when every earlier prompt is kept: the longest prefix
-    it shares with one of them, in whole blocks, ending where the rank may split a prompt."""
-    shared = max((_common(prompt, p) for p in earlier), default=0)
-    ends = [n for n in range(splits.block, shared + 1, splits.block) if splits.allows(n, len(prompt))]
-    return max(ends, default=0)
+    it shares with one of them (at least a whole block, short of the whole prompt), ending where
+    the rank may split a prompt."""
+    shared = min(max((_common(prompt, p) for p in earlier), default=0), len(prompt) - 1)
+    ends = [n for n in range(1, shared + 1) if splits.allows(n, len(prompt))]
+    return max(ends, default=0) if shared >= splits.block else 0
 
 
 def _common(a: list[int], b: list[int]) -> int:

@@ -27,8 +27,10 @@ setting; tests/test_ggml_backend.py checks each, so an upgrade that breaks one f
   between one row and several).
 - Flash attention sums a row's keys in cache-cell order, so every token's visible cells must lie
   in position order: a freed cell is never reused in place (it moves to a *trash* lane nobody
-  attends to), and when the trash grows the cache is compacted by saving and restoring llama.cpp's
-  state, which packs the live cells from cell 0 in their order.
+  attends to), and when the trash grows the cache is compacted: the live cells are copied out,
+  group by group of the lanes that hold them, and laid back from cell 0, each lane's in their
+  order (a token sees only its lane's cells, so the order across lanes is free). When the last
+  live sequence leaves, every cell is freed at once.
 - A forward of 64 tokens or more runs a tiled attention whose sums group keys by 64-cell tiles:
   such a chain (a prompt) starts at a cell whose index is its position modulo 64 (a few *filler*
   tokens, trashed at once, pad the cache up to it) and is cut at fixed positions (multiples of
@@ -323,6 +325,17 @@ class GgmlExecutor:
         if seq is not None:
             for lane in seq.lanes:
                 self._free_lane(lane)
+        if self.row_invariant and self._trashed and not any(s.committed or s.slots for s in self._seqs.values()):
+            self._empty()
+
+    def _empty(self) -> None:
+        """Free every cell once no sequence holds one (the cache holds only trash): the next
+        token is laid from cell 0 as after a compaction, at no cost, where a compaction would
+        copy the live cells and clear llama.cpp's whole cache buffer (its cost grows with the
+        cache's size, not with what it holds)."""
+        self._L.llama_memory_clear(self._memory, False)
+        self._allocated, self._trashed = 0, 0
+        self._compactions += 1
 
     def committed(self, seq_id: int) -> int:
         return self._seq(seq_id).committed
@@ -453,7 +466,7 @@ class GgmlExecutor:
             for slot in c.slots.tolist():
                 self._drop_slot(seq, slot)
             self._settle_lanes(seq)
-        # A compaction copies every live cell (0.23 s for 8,000 on SmolLM2), so it waits for at least
+        # A compaction copies every live cell (0.34 s for 8,000 on SmolLM2), so it waits for at least
         # as many trashed ones: its cost per freed cell stays the same however many prompts the
         # prefix cache keeps live.
         compact_after = max(_COMPACT_AFTER, self._allocated - self._trashed)
@@ -464,7 +477,6 @@ class GgmlExecutor:
             self.compact()  # before placing: the cells placed below are not in llama.cpp's cache yet
         for seq in self._moved_prefixes(chunks, seqs):
             self._realign(seq)
-        per_chunk = []  # each chunk's (token, position, lane id, wants logits)
         per_chunk = []  # each chunk's (token, position, lane id, wants logits)
         for c, seq in zip(chunks, seqs):
             lanes = self._place(c, seq)
@@ -622,18 +634,57 @@ class GgmlExecutor:
         self._trashed += n
 
     def compact(self) -> None:
-        """Drop the trash and pack the live cells from cell 0, in their order (llama.cpp's whole
-        state saved and restored: the restore lays cells out in the order they were saved)."""
+        """Drop the trash and lay the live cells again from cell 0, each lane's in their order
+        (module docstring). Group by group where it can (`_relay`), else llama.cpp's whole state
+        saved and restored, which lays cells out in the order they were saved but first clears
+        llama.cpp's whole cache buffer, at a cost that grows with the cache's size."""
         L, t0 = self._L, time.perf_counter()
         L.llama_memory_seq_rm(self._memory, self._trash, -1, -1)
+        groups = _restore_order(self._lane_cells())
+        if groups is None or not self._free_lanes:
+            self._restore_whole_state()
+        else:
+            self._relay(groups)
+        self._allocated, self._trashed = self._live_cells(), 0
+        self._compactions += 1
+        self.upkeep_s += time.perf_counter() - t0
+
+    def _restore_whole_state(self) -> None:
+        L = self._L
         size = L.llama_state_get_size(self._ctx)
         buf = (ctypes.c_ubyte * size)()
         written = L.llama_state_get_data(self._ctx, buf, size)
         if L.llama_state_set_data(self._ctx, buf, written) != written:
             raise RuntimeError("llama.cpp could not restore its state while compacting the cache")
-        self._allocated, self._trashed = self._live_cells(), 0
-        self._compactions += 1
-        self.upkeep_s += time.perf_counter() - t0
+
+    def _lane_cells(self) -> dict[int, list[_Cell]]:
+        """Every lane's live cells, by position: its share of its sequence's committed prefix, then
+        its region."""
+        return {lane.id: seq.prefix[:lane.prefix] + [lane.region[p] for p in sorted(lane.region)]
+                for seq in self._seqs.values() for lane in seq.lanes}
+
+    def _relay(self, groups: list[tuple[tuple[int, ...], list[_Cell]]]) -> None:
+        """Copy each group of cells (those held by the same lanes) out through a spare lane, free
+        every cell (metadata only), and lay the groups back one after another from cell 0: each
+        lane's cells stay in position order, and only they are copied."""
+        L, spare = self._L, self._free_lanes[0]
+        saved = []
+        for lanes, cells in groups:
+            for start, end in _position_runs([c.pos for c in cells]):
+                L.llama_memory_seq_cp(self._memory, lanes[0], spare, start, end)
+            data = (ctypes.c_ubyte * L.llama_state_seq_get_size(self._ctx, spare))()
+            written = L.llama_state_seq_get_data(self._ctx, data, len(data), spare)
+            L.llama_memory_seq_rm(self._memory, spare, -1, -1)
+            if not written:
+                raise RuntimeError("llama.cpp could not copy cells out of its cache while compacting it")
+            saved.append((lanes, data, written))
+        L.llama_memory_clear(self._memory, False)
+        for lanes, data, written in saved:
+            if L.llama_state_seq_set_data(self._ctx, data, written, spare) != written:
+                raise RuntimeError("llama.cpp could not lay cells back while compacting its cache")
+            for lane in lanes:
+                L.llama_memory_seq_cp(self._memory, spare, lane, -1, -1)
+            L.llama_memory_seq_rm(self._memory, spare, -1, -1)
 
     def _live_cells(self) -> int:
         """Cells some sequence holds, each once (sequences sharing a prefix hold the same cells)."""
@@ -733,8 +784,9 @@ class TiledPromptSplits(PromptSplits):
     one-row attention. A split on a tile (a multiple of 64) keeps that when what follows it up to
     the next cut is 64 tokens or more, or when it is a cut itself (not leaving one token, which a
     prefill decodes with its neighbour). A shorter prompt runs on the one-row attention, and its
-    matmuls on the tiled K-quant kernel when it is longer than a piece of ``piece`` tokens: it
-    may be split on any block where what follows stays on the same kernels. Each length class is
+    matmuls on the tiled K-quant kernel when it is longer than a piece of ``piece`` tokens: on
+    one-row kernels it may be split after any token, on the tiled matmul on any block where what
+    follows stays on that kernel. Each length class is
     a `kind`, so a prefix written by a long prompt's prefill is never reused by a short one.
     tests/test_ggml_backend.py and tests/test_prefix_cache.py check splits bit for bit against
     one prefill."""
@@ -751,10 +803,10 @@ class TiledPromptSplits(PromptSplits):
         return 1 if length > self.piece else 0  # the tiled matmul, or the one-row kernels
 
     def allows(self, at: int, length: int) -> bool:
-        if not 0 < at < length or at % self.block:
+        if not 0 < at < length:
             return False
-        if length < _TILE:
-            return self.kind(length - at) == self.kind(length)
+        if length < _TILE:  # one-row kernels keep a row's sums wherever it sits; the tiled matmul, by block
+            return self.kind(length - at) == self.kind(length) and (self.kind(length) == 0 or at % self.block == 0)
         if at % _TILE:
             return False
         if at % _PROMPT_CUT == 0:
@@ -762,11 +814,59 @@ class TiledPromptSplits(PromptSplits):
         return min(length, (at // _PROMPT_CUT + 1) * _PROMPT_CUT) - at >= _TILE
 
     def last_split(self, start: int, limit: int, length: int) -> int | None:
+        if length < _TILE:
+            return super().last_split(start, limit, length)
         return next((at for at in range(limit - limit % _TILE, start, -_TILE) if self.allows(at, length)), None)
 
     def next_split(self, start: int, length: int) -> int:
+        if length < _TILE:
+            return super().next_split(start, length)
         return next((at for at in range(start - start % _TILE + _TILE, length, _TILE) if self.allows(at, length)),
                     length)
+
+
+def _restore_order(lane_cells: dict[int, list[_Cell]]) -> list[tuple[tuple[int, ...], list[_Cell]]] | None:
+    """The live cells grouped by the lanes that hold them, in an order that keeps every lane's
+    cells in position order when the groups are laid one after another; None where no such order
+    exists (a lane whose cells go from one group to another and back)."""
+    holders: dict[int, list[int]] = {}
+    cells: dict[int, _Cell] = {}
+    for lane_id, held in lane_cells.items():
+        for cell in held:
+            holders.setdefault(id(cell), []).append(lane_id)
+            cells[id(cell)] = cell
+    groups: dict[tuple[int, ...], list[_Cell]] = {}
+    for key, lanes in holders.items():
+        groups.setdefault(tuple(sorted(lanes)), []).append(cells[key])
+    after: dict[tuple[int, ...], set[tuple[int, ...]]] = {g: set() for g in groups}
+    waits = dict.fromkeys(groups, 0)
+    for held in lane_cells.values():
+        keys = [tuple(sorted(holders[id(c)])) for c in held]
+        for x, y in zip(keys, keys[1:]):
+            if x != y and y not in after[x]:
+                after[x].add(y)
+                waits[y] += 1
+    ready = [g for g, n in waits.items() if n == 0]
+    order = []
+    while ready:
+        g = ready.pop()
+        order.append((g, sorted(groups[g], key=lambda c: c.pos)))
+        for h in after[g]:
+            waits[h] -= 1
+            if waits[h] == 0:
+                ready.append(h)
+    return order if len(order) == len(groups) else None
+
+
+def _position_runs(positions: list[int]) -> list[tuple[int, int]]:
+    """[start, end) runs of consecutive positions in an ascending list."""
+    runs: list[tuple[int, int]] = []
+    for p in positions:
+        if runs and runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], p + 1)
+        else:
+            runs.append((p, p + 1))
+    return runs
 
 
 def _same_cells(a: dict[int, _Cell], b: dict[int, _Cell]) -> bool:

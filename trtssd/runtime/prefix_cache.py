@@ -5,7 +5,9 @@ holds the same with speculation on and off: docs/design/prefix-cache.md.
 
 - Prompts are cut into blocks of the executor's `PromptSplits.block` tokens. A block is known by
   the hash of its tokens and of every block before it (vLLM's chained block hash), so a hash
-  names a whole prefix, and the longest run of known hashes is the longest cached prefix.
+  names a whole prefix, and the longest run of known hashes finds the cached prompt sharing the
+  longest prefix; the shared prefix then runs on token by token past the last whole block (as
+  llama-server's prompt cache reuses a prompt), up to where the executor allows a split.
 - A *holder* is a sequence in the executor whose committed prompt holds those blocks: a running
   one, or a finished one kept for reuse. A new sequence shares the holder's prefix through
   `Executor.share_prefix` (llama.cpp: the same cells under one more sequence id; torch: a copy of
@@ -104,26 +106,36 @@ class PrefixCache:
             self.executor.release(seq_id)
             return
         if self.executor.capabilities.saves_prefix:
-            holder.saved = self.executor.save_prefix(seq_id, len(holder.hashes) * self.splits.block)
+            holder.saved = self.executor.save_prefix(seq_id, len(holder.prompt))
             self.executor.release(seq_id)
         self._kept[seq_id] = None
         while len(self._kept) > self.max_kept:
             self._evict_oldest()
 
     def _lookup(self, prompt: list[int]) -> tuple[int, int] | None:
-        """(holder, tokens) of the longest reusable cached prefix, or None."""
-        best = None
+        """(holder, tokens) of the longest reusable cached prefix, or None. Found by whole blocks,
+        then followed token by token along the prompts holding the last block found (less than a
+        block more: a prompt sharing the next whole block would hold its hash), so a prompt that
+        leaves a cached one inside a block still reuses what they share."""
+        holders, n = {}, 0
         for i, h in enumerate(block_hashes(prompt, self.splits.block, self.splits.kind(len(prompt)))):
-            n = (i + 1) * self.splits.block
-            holders = self._by_hash.get(h)
-            if n >= len(prompt) or not holders:
+            end = (i + 1) * self.splits.block
+            found = self._by_hash.get(h)
+            if end >= len(prompt) or not found:
                 break
-            holder = next(reversed(holders))  # the newest: the likeliest to stay
-            if self._holders[holder].prompt[:n] != prompt[:n]:
+            if self._holders[next(reversed(found))].prompt[:end] != prompt[:end]:
                 break  # a hash collision
-            if self.splits.allows(n, len(prompt)):
-                best = (holder, n)
-        return best
+            holders, n = found, end
+        best = None
+        for holder in reversed(holders):  # the newest first: the likeliest to stay
+            held, shared = self._holders[holder].prompt, n
+            limit = min(len(held), len(prompt) - 1)  # the last prompt token's logits must be computed
+            while shared < limit and held[shared] == prompt[shared]:
+                shared += 1
+            if held[:n] == prompt[:n] and (best is None or shared > best[1]):
+                best = (holder, shared)
+        at = None if best is None else self.splits.last_split(0, best[1], len(prompt))
+        return None if at is None else (best[0], at)
 
     def _add(self, seq_id: int) -> None:
         while True:

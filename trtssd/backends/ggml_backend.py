@@ -829,19 +829,20 @@ def _restore_order(lane_cells: dict[int, list[_Cell]]) -> list[tuple[tuple[int, 
     """The live cells grouped by the lanes that hold them, in an order that keeps every lane's
     cells in position order when the groups are laid one after another; None where no such order
     exists (a lane whose cells go from one group to another and back)."""
-    holders: dict[int, list[int]] = {}
+    holders: dict[int, list[int]] = {}  # id(cell) -> the lanes holding it, in ascending lane id
     cells: dict[int, _Cell] = {}
-    for lane_id, held in lane_cells.items():
-        for cell in held:
+    for lane_id in sorted(lane_cells):
+        for cell in lane_cells[lane_id]:
             holders.setdefault(id(cell), []).append(lane_id)
             cells[id(cell)] = cell
+    group_of = {key: tuple(lanes) for key, lanes in holders.items()}
     groups: dict[tuple[int, ...], list[_Cell]] = {}
-    for key, lanes in holders.items():
-        groups.setdefault(tuple(sorted(lanes)), []).append(cells[key])
+    for key, group in group_of.items():
+        groups.setdefault(group, []).append(cells[key])
     after: dict[tuple[int, ...], set[tuple[int, ...]]] = {g: set() for g in groups}
     waits = dict.fromkeys(groups, 0)
     for held in lane_cells.values():
-        keys = [tuple(sorted(holders[id(c)])) for c in held]
+        keys = [group_of[id(c)] for c in held]
         for x, y in zip(keys, keys[1:]):
             if x != y and y not in after[x]:
                 after[x].add(y)

@@ -394,3 +394,62 @@ def test_a_lone_plain_row_verifies_an_ngram_guess_in_its_filler_row(tmp_path, mo
     assert out.token_ids == ar
     assert summary["spare_row_guesses"] > 20 and summary["spare_row_guesses_accepted"] > 10
     assert summary["plain_rounds"] < 60  # accepted guesses: fewer forwards than tokens
+
+
+def test_a_prompt_beside_decoding_rows_shares_their_forward_bit_for_bit(smollm2_gguf, monkeypatch):
+    """A short prompt and the decode rows of running sequences in one forward (a plain round that
+    carries a prompt piece) are one llama_decode on a file without tiled weights, and every row,
+    the prompt's last included, equals the same row computed alone."""
+    prompts = [_prompt(30, 1), _prompt(41, 2), _prompt(17, 3)]
+    refs = []
+    for p in prompts:
+        ex = GgmlExecutor(smollm2_gguf, max_seqs=1, max_seq_len=256, threads=2)
+        ex.add_sequence(0)
+        first = ex.forward([chain_chunk(0, p, 0, last_logits_only=True)])[0][-1]
+        ex.release(0)
+        refs.append((first, _ar_logits(ex, p, 3)))
+        ex.close()
+    ex = GgmlExecutor(smollm2_gguf, max_seqs=3, max_seq_len=256, threads=2)
+    decodes = []
+    real = ex._decode
+    monkeypatch.setattr(ex, "_decode", lambda entries: decodes.append(len(entries)) or real(entries))
+    tokens = []
+    for s in range(2):
+        ex.add_sequence(s)
+        ex.forward([chain_chunk(s, prompts[s], 0, last_logits_only=True)])
+        ex.commit(s, len(prompts[s]))
+        tokens.append(refs[s][1][0][0])
+    ex.add_sequence(2)
+    decodes.clear()
+    outs = ex.forward([chain_chunk(2, prompts[2], 0, last_logits_only=True)]
+                      + [chain_chunk(s, [tokens[s]], ex.committed(s)) for s in range(2)])
+    assert decodes == [17 + 2]
+    assert torch.equal(outs[0][-1], refs[2][0])
+    for s in range(2):
+        assert torch.equal(outs[1 + s][-1], refs[s][1][1][0]), s
+    ex.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ar", "ssd"])
+def test_prompts_carried_in_plain_rounds_equal_each_request_alone(tmp_path, monkeypatch, mode):
+    """The default engine (ggml): requests arriving while others decode have their prompts
+    prefilled in the running rows' plain round (in ssd as load control's plain rounds). Every
+    request's tokens and logprobs equal those of the request decoded alone in ar, bit for bit."""
+    from arrivals import arriving
+
+    engine = build_engine(out_dir=tmp_path, backend="ggml", progress=False)
+    # Short prompts and a long one (a tiled chain beside the rows' forward).
+    prompts = [_prompt(n, s) for s, n in enumerate([12, 30, 5, 90, 21, 47])]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    with LLM(str(engine), mode="ar", max_batch=4, max_model_len=256) as llm:
+        alone, carried = arriving(llm.loop, prompts, params, every=None)
+        assert carried == 0
+    with LLM(str(engine), mode=mode, max_batch=4, max_model_len=256) as llm:
+        if mode != "ar":  # load control chooses plain rounds (what it does on two cores)
+            monkeypatch.setattr(llm.loop.policy, "speculate", lambda rows: False)
+            monkeypatch.setattr(llm.loop.policy, "expects_plain", lambda rows: True)
+        together, carried = arriving(llm.loop, prompts, params, every=3)
+    assert carried >= 5
+    assert [s.output for s in together] == [s.output for s in alone]
+    assert [s.logprobs for s in together] == [s.logprobs for s in alone]

@@ -380,3 +380,21 @@ def test_k_quant_prompts_prefilled_together_equal_prompts_prefilled_alone(ggml_e
 
     for a, b in zip(run(True), run(False)):
         assert torch.equal(a, b)
+
+
+def test_k_quant_prompts_carried_in_plain_rounds_equal_each_request_alone(ggml_engine):
+    """On the Q4_K_M target, prompts arriving while others decode ride in the running rows' plain
+    rounds: the executor keeps a prompt of 8 tokens or more on the tiled matmul apart from the
+    rows it decodes in pieces of 7, and a shorter one among them. Every request's tokens and
+    logprobs equal those of the request decoded alone, bit for bit."""
+    from arrivals import arriving
+
+    prompts = [[(i * 7919 + s * 104729) % 40000 + 100 for i in range(n)] for s, n in enumerate([14, 5, 26, 3, 40])]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    with LLM(str(ggml_engine), mode="ar", max_batch=4, max_model_len=256) as llm:
+        alone, carried = arriving(llm.loop, prompts, params, every=None)
+        assert carried == 0
+        together, carried = arriving(llm.loop, prompts, params, every=2)
+    assert carried >= 4
+    assert [s.output for s in together] == [s.output for s in alone]
+    assert [s.logprobs for s in together] == [s.logprobs for s in alone]

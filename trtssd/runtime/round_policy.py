@@ -134,6 +134,12 @@ class RoundPolicy:
         speculative rounds at any load."""
         return not self.spec.plain_under_load or self.seeded(rows) or self.chooser.speculate(len(rows))
 
+    def expects_plain(self, rows: list[Sequence]) -> bool:
+        """Whether a round of these rows will be plain, as load control knows it before being asked
+        (`speculate` decides a round and counts it; this asks without deciding): a round that
+        carries prompt pieces (TargetLoop._carries) must be plain."""
+        return self.spec.plain_under_load and not self.seeded(rows) and self.chooser.expects_plain(len(rows))
+
     def k(self, batch: int) -> int:
         """Proposals the target verifies per row this round (the first k of the draft's K)."""
         return self.lengths.choose(batch) if self.lengths is not None else self.spec.k

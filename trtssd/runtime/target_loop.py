@@ -100,14 +100,16 @@ class TargetLoop:
     # --- the loop ----------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        """Schedule (admit, prefill) -> decide (plain or speculative) -> run -> observe. New
+        """Schedule (admit, pieces) -> decide -> run -> observe. A plain round carries the step's
+        prompt pieces in its forward (`_carries`). Otherwise they are prefilled first, and new
         requests' first tokens go out at once: the round comes next step, before more prefill."""
         outputs: list[StepOutput] = []
         pieces = self._schedule()
-        first_tokens = self._prefill(pieces, outputs) if pieces else False
-        rows = [] if first_tokens else self.scheduler.running
-        if rows:
-            self.policy.observe(self._run(rows, self._decide(rows), outputs))
+        rows = list(self.scheduler.running)
+        carried = pieces if rows and pieces and self._carries(rows, pieces) else []
+        first_tokens = self._prefill(pieces, outputs) if pieces and not carried else False
+        if rows and not first_tokens:
+            self.policy.observe(self._run(rows, not carried and self._decide(rows), outputs, carried))
         if self.scheduler.retire(round_owed=first_tokens):
             self._release_if_idle()
         return outputs
@@ -123,26 +125,32 @@ class TargetLoop:
         draft holds every row (until then it catches up, and the round is plain)."""
         return self.speculating and self.policy.speculate(rows) and not self._draft_catches_up(rows)
 
-    def _run(self, rows: list[Sequence], speculate: bool, outputs: list[StepOutput]) -> RoundReport | None:
+    def _carries(self, rows: list[Sequence], pieces: list[Piece]) -> bool:
+        """Whether this step's prompt pieces go into the round's forward, as llama-server batches
+        them (the executor keeps every row exact in any mix): where the round will be plain (ar
+        mode, no live draft, or load control expects plain rounds at this batch), the loop's
+        own executor verifies it, one forward holds the pieces beside the rows, and the draft
+        prefills none of them (it would take its cores back from the round)."""
+        if not self.verifier.carries_prompts or (self.speculating and not self.policy.expects_plain(rows)):
+            return False
+        tokens = sum(end - s.prefilled for s, end in pieces) + len(rows) * (self.spec.k + 1)
+        return tokens <= self.target.capabilities.max_batch_tokens and not any(self._draft_sends(pieces))
+
+    def _run(self, rows: list[Sequence], speculate: bool, outputs: list[StepOutput],
+             pieces: list[Piece]) -> RoundReport | None:
         if speculate:
             try:
                 return self._speculative_round(rows, outputs)
             except PeerLost:
                 pass  # the draft is gone: this round in ar, nothing lost
-        return self._plain_round(rows, outputs)
+        return self._plain_round(rows, outputs, pieces)
 
     # --- prefill -----------------------------------------------------------------------------
 
     def _prefill(self, pieces: list[Piece], outputs: list[StepOutput]) -> bool:
-        """One step's prefill of ``pieces``. A sequence whose prompt is all in joins the running
-        batch with its first token. Returns whether any did (its output went out)."""
-        # The draft prefills beside the target: a sequence it was given its first piece of, or,
-        # when its first piece is now, as load control expects speculation (draft_prefills_now).
-        sched = self.scheduler
-        to_draft = self.speculating and self.policy.draft_prefills_now(len(sched.running) + len(sched.prefilling))
-        sends = [s.draft_prefilled < end and (s.on_draft or (to_draft and s.prefilled == s.num_cached_tokens
-                                                               and s.params.max_tokens > 0))
-                 for s, end in pieces]
+        """One step's prefill of ``pieces`` in forwards of their own. Returns whether some
+        sequence's prompt is all in (`_prompts_in`)."""
+        sends = self._draft_sends(pieces)
         self.policy.take_cores(plain=not any(sends))
         for (seq, end), send in zip(pieces, sends):
             if send:
@@ -150,10 +158,27 @@ class TargetLoop:
                 self._forks_on_draft(seq)
         t0 = time.perf_counter()
         # Per piece, its logits: the last row only, or every row for prompt logprobs.
-        rows = [r for group in sched.prefill_groups(pieces) for r in self.target.forward(group)]
+        logits = [r for group in self.scheduler.prefill_groups(pieces) for r in self.target.forward(group)]
         now = time.perf_counter()
         self.policy.prefilled(now - t0, sum(end - s.prefilled for s, end in pieces), now, on_draft=any(sends))
-        done = sched.prefilled(pieces, rows)
+        return self._prompts_in(pieces, logits, outputs)
+
+    def _draft_sends(self, pieces: list[Piece]) -> list[bool]:
+        """Per piece, whether the draft prefills it beside the target: a sequence it was given its
+        first piece of, or, when its first piece is now, as load control expects speculation
+        (draft_prefills_now)."""
+        sched = self.scheduler
+        to_draft = self.speculating and self.policy.draft_prefills_now(len(sched.running) + len(sched.prefilling))
+        return [s.draft_prefilled < end and (s.on_draft or (to_draft and s.prefilled == s.num_cached_tokens
+                                                            and s.params.max_tokens > 0))
+                for s, end in pieces]
+
+    def _prompts_in(self, pieces: list[Piece], logits: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                    outputs: list[StepOutput]) -> bool:
+        """Commit the step's prefilled ``pieces`` (``logits``: each one's). A sequence whose
+        prompt is all in joins the running batch with its first token (which goes out now).
+        Returns whether any did."""
+        done = self.scheduler.prefilled(pieces, list(logits))
         outputs += [seq.finish_prompt_only() for seq, _ in done if seq.params.max_tokens == 0]
         generating = [(seq, r[-1]) for seq, r in done if seq.params.max_tokens > 0]
         if generating:
@@ -216,24 +241,29 @@ class TargetLoop:
 
     # --- rounds ------------------------------------------------------------------------------
 
-    def _plain_round(self, seqs: list[Sequence], outputs: list[StepOutput]) -> RoundReport | None:
+    def _plain_round(self, seqs: list[Sequence], outputs: list[StepOutput], pieces: list[Piece]) -> RoundReport | None:
         """One plain target step for every running row: chosen while the draft is there (load
         control, or while it catches up; its rows catch up through the next outcome), or because
         the draft is lost. A constrained row whose grammar forces text verifies its forced tokens
         in the same forward (outside ar mode, whose rounds are the reference: one token per
-        forward). Returns what the policy learns from it (None without a live draft)."""
+        forward), and so do ``pieces`` of prompts (`_carries`). Returns what the policy learns
+        from it (None without a live draft; a round that prefilled too is not plain rounds' rate)."""
         t0, u0 = time.perf_counter(), self.target.upkeep_s
         chosen = self.speculating
-        steady = self.policy.start_plain_round(chosen, t0)
+        steady = self.policy.start_plain_round(chosen, t0) and not pieces
         self._release_on_draft()  # the draft waits for no round's request now
         forced = self._forced(seqs, self.spec.k) if self.spec.mode is not Mode.AR else [[] for _ in seqs]
-        guess = [] if any(forced) else self._spare_row_guess(seqs)
+        guess = [] if any(forced) or pieces else self._spare_row_guess(seqs)
         proposed = [guess] if guess else forced
+        prompts = tuple(self.scheduler.prefill_groups(pieces)[0]) if pieces else ()
         if any(proposed):  # the grammar's forced tokens or a guess, verified in this round's one forward
             result = self.verifier.verify(seqs, _proposal_tensor(proposed, self.spec.k), None, (True,) * len(seqs),
-                                          tuple(len(f) for f in proposed))
+                                          tuple(len(f) for f in proposed), prompts=prompts)
         else:
-            result = self.verifier.plain(seqs)
+            result = self.verifier.plain(seqs, prompts=prompts)
+        if pieces:  # a token of the round's forward costs about what a prompt token does
+            now = time.perf_counter()
+            self.policy.prefilled(now - t0, sum(end - s.prefilled for s, end in pieces) + len(seqs), now, on_draft=False)
         total_emitted = 0
         for i, (seq, n, tok) in enumerate(zip(seqs, result.num_accepted, result.bonus)):
             seq.spec_streak = 0
@@ -251,6 +281,8 @@ class TargetLoop:
                 seq.metrics.record_grammar_round(len(forced[i]), min(n, kept))
             elif guess:
                 seq.metrics.record_guess(n > 0)
+        if pieces:
+            self._prompts_in(pieces, result.prompt_logits, outputs)
         if not chosen:
             return None
         return RoundReport(False, len(seqs), total_emitted, self._round_s(t0, u0), steady)

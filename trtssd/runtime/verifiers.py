@@ -3,7 +3,9 @@
 The default, `ExecutorVerifier`, is the target loop's own executor: one k+1-token forward per
 row, `spec_decode.verify`, and the commit of what was accepted. Another target engine
 (TensorRT-LLM, trtssd/trtllm/) plugs in behind the same calls; prefill stays on the loop's
-executor either way.
+executor either way. Because the default verifier's target *is* that executor, its rounds can
+carry prompt pieces in the same forward (``prompts``): new prompts are prefilled beside the
+running rows' round, as llama-server batches them, and the executor keeps every row exact.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Protocol
 import torch
 from torch.nn.functional import pad
 
-from trtssd.backends.base import Executor, chain_chunk
+from trtssd.backends.base import Chunk, Executor, chain_chunk
 from trtssd.runtime.sequence import Sequence
 from trtssd.sampling import SamplingParams, TokenLogprob, greedy_tokens, processed_probs, sample, token_logprobs
 from trtssd.spec_decode.verify import verify
@@ -31,22 +33,29 @@ class Verified:
     # Per row, the logprobs of its accepted drafts and bonus where its SamplingParams.logprobs
     # asks for them, else None; empty when no row asks.
     logprobs: tuple[list[TokenLogprob] | None, ...] = ()
+    # The logits of the prompt chunks the round's forward carried (ExecutorVerifier's ``prompts``).
+    prompt_logits: tuple[torch.Tensor, ...] = ()
 
 
 class Verifier(Protocol):
     """Scores the running rows on the target and returns what each one emits.
 
     Rows are `Sequence`s whose ``bonus`` is the pending token (not yet in the target's state);
-    the verifier brings its target's state up to date with what it returns.
+    the verifier brings its target's state up to date with what it returns. ``prompts``: prompt
+    chunks the round's forward carries, where ``carries_prompts`` (the verifier's target is the
+    loop's executor); their logits come back in `Verified.prompt_logits`.
     """
 
+    carries_prompts: bool
+
     def verify(self, seqs: list[Sequence], proposals: torch.Tensor, probs: torch.Tensor | None,
-               point_mass: tuple[bool, ...], num_proposals: tuple[int, ...] | None = None) -> Verified:
+               point_mass: tuple[bool, ...], num_proposals: tuple[int, ...] | None = None,
+               prompts: tuple[Chunk, ...] = ()) -> Verified:
         """One speculative round: ``proposals`` [B, K] from the draft, ``probs`` its q' rows
         [B, K, V] (None for greedy rows), ``point_mass`` per row, ``num_proposals`` the
         proposals of each row to verify (its first ones; None: all K)."""
 
-    def plain(self, seqs: list[Sequence]) -> Verified:
+    def plain(self, seqs: list[Sequence], prompts: tuple[Chunk, ...] = ()) -> Verified:
         """One plain step: a round without drafts (nothing accepted, each row's next token as
         its bonus)."""
 
@@ -55,7 +64,11 @@ class Verifier(Protocol):
 
 
 class ExecutorVerifier:
-    """The default verifier: the loop's own executor, one k+1-token pass, exact verification."""
+    """The default verifier: the loop's own executor, one k+1-token pass, exact verification.
+    ``prompts``: prompt chunks run in the same forward, their logits returned as they come
+    (committing them is the scheduler's)."""
+
+    carries_prompts = True
 
     def __init__(self, target: Executor):
         self.target = target
@@ -64,7 +77,8 @@ class ExecutorVerifier:
         pass  # trtssd.sampling implements every SamplingParams field
 
     def verify(self, seqs: list[Sequence], proposals: torch.Tensor, probs: torch.Tensor | None,
-               point_mass: tuple[bool, ...], num_proposals: tuple[int, ...] | None = None) -> Verified:
+               point_mass: tuple[bool, ...], num_proposals: tuple[int, ...] | None = None,
+               prompts: tuple[Chunk, ...] = ()) -> Verified:
         # Each row [bonus, s_1..s_n] appended causally at its committed length.
         k = proposals.shape[1]
         counts = num_proposals if num_proposals is not None else (k,) * len(seqs)
@@ -72,7 +86,8 @@ class ExecutorVerifier:
         chunks = [chain_chunk(s.seq_id, [s.bonus] + rows[i], self.target.committed(s.seq_id))
                   for i, s in enumerate(seqs)]
         # [B, k+1, V]; a row with fewer proposals gets zero rows (verify never reads past its count).
-        padded = [pad(out, (0, 0, 0, k + 1 - len(out))) for out in self.target.forward(chunks)]
+        out, prompt_logits = self._forward(chunks, prompts)
+        padded = [pad(o, (0, 0, 0, k + 1 - len(o))) for o in out]
         logits = constrained(torch.stack(padded), seqs, rows)
         result = verify(
             logits, proposals.clone(), torch.tensor(counts, dtype=torch.long), probs,
@@ -83,11 +98,12 @@ class ExecutorVerifier:
         for seq, n in zip(seqs, accepted):
             self.target.commit(seq.seq_id, n + 1)
         return Verified(accepted, bonus, emitted_logprobs(seqs, logits, [rows[i][:n] + [b] for i, (n, b)
-                                                                   in enumerate(zip(accepted, bonus))]))
+                                                                   in enumerate(zip(accepted, bonus))]), prompt_logits)
 
-    def plain(self, seqs: list[Sequence]) -> Verified:
+    def plain(self, seqs: list[Sequence], prompts: tuple[Chunk, ...] = ()) -> Verified:
         chunks = [chain_chunk(s.seq_id, [s.bonus], self.target.committed(s.seq_id)) for s in seqs]
-        logits = constrained(torch.stack(self.target.forward(chunks)), seqs, [[] for _ in seqs])[:, 0]
+        out, prompt_logits = self._forward(chunks, prompts)
+        logits = constrained(torch.stack(out), seqs, [[] for _ in seqs])[:, 0]
         params, history = [s.params for s in seqs], [s.history() for s in seqs]
         if all(p.is_greedy for p in params):
             nxt = greedy_tokens(logits, params, history)  # what sampling the one-hot p would return
@@ -96,7 +112,13 @@ class ExecutorVerifier:
         for seq in seqs:
             self.target.commit(seq.seq_id, 1)
         tokens = tuple(nxt.tolist())
-        return Verified((0,) * len(seqs), tokens, emitted_logprobs(seqs, logits[:, None], [[t] for t in tokens]))
+        return Verified((0,) * len(seqs), tokens, emitted_logprobs(seqs, logits[:, None], [[t] for t in tokens]),
+                        prompt_logits)
+
+    def _forward(self, chunks: list[Chunk], prompts: tuple[Chunk, ...]) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
+        """One forward of the rows' chunks and the prompt chunks: (the rows' logits, the prompts')."""
+        out = self.target.forward([*prompts, *chunks])
+        return out[len(prompts):], tuple(out[:len(prompts)])
 
 
 def constrained(logits: torch.Tensor, seqs: list[Sequence], chains: list[list[int]]) -> torch.Tensor:

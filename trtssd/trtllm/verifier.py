@@ -34,7 +34,10 @@ class RoundExecutor(Protocol):
 
 
 class TrtllmVerifier:
-    """``Verifier`` backed by a TensorRT-LLM executor (or a stand-in with the same ``verify``)."""
+    """``Verifier`` backed by a TensorRT-LLM executor (or a stand-in with the same ``verify``).
+    Prompts are prefilled on the loop's executor, never in its rounds."""
+
+    carries_prompts = False
 
     def __init__(self, executor: RoundExecutor, vocab_size: int):
         self.executor = executor
@@ -50,14 +53,17 @@ class TrtllmVerifier:
             shutdown()
 
     def verify(self, seqs: list[Row], proposals: torch.Tensor, probs: torch.Tensor | None,
-               point_mass: tuple[bool, ...], num_proposals: tuple[int, ...] | None = None) -> Verified:
+               point_mass: tuple[bool, ...], num_proposals: tuple[int, ...] | None = None,
+               prompts: tuple = ()) -> Verified:
+        _no_prompts(prompts)
         # Constrained requests are refused (check_supported), so every row verifies all K.
         rows = proposals.tolist()
         requests = [self._request(s, rows[i], None if probs is None else probs[i], point_mass[i])
                     for i, s in enumerate(seqs)]
         return self._run(seqs, requests)
 
-    def plain(self, seqs: list[Row]) -> Verified:
+    def plain(self, seqs: list[Row], prompts: tuple = ()) -> Verified:
+        _no_prompts(prompts)
         return self._run(seqs, [self._request(s, [], None, False) for s in seqs])
 
     def _request(self, seq: Row, drafts: list[int], q_rows: torch.Tensor | None, point_mass: bool) -> VerifyRequest:
@@ -75,6 +81,12 @@ class TrtllmVerifier:
             accepted.append(outcome.num_accepted)
             bonus.append(outcome.bonus)
         return Verified(tuple(accepted), tuple(bonus))
+
+
+def _no_prompts(prompts: tuple) -> None:
+    if prompts:
+        raise ValueError("TensorRT-LLM's rounds carry no prompt chunks (carries_prompts is False): "
+                         "prompts are prefilled on the target loop's executor")
 
 
 def trtllm_verifier(engine_dir: str | Path, vocab_size: int, tensor_parallel_size: int = 1) -> TrtllmVerifier:

@@ -237,19 +237,24 @@ class AsyncLLM:
         return False
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
+        calls = []
         for out in outputs:
             stream = self._streams[out.seq_id]
-            stream._call(stream._on_output, out)
+            calls.append((stream, stream._on_output, out))
             if out.finished:
-                self._ended(self.loop.pop_finished(out.seq_id))
+                calls += self._finish_calls(self.loop.pop_finished(out.seq_id))
+        _call_in_order(calls)
 
     def _ended(self, seq: Sequence | None) -> None:
         """Hand a sequence the loop has finished to its stream (None: it had ended already)."""
+        _call_in_order(self._finish_calls(seq))
+
+    def _finish_calls(self, seq: Sequence | None) -> list[tuple[RequestStream, object, Sequence]]:
         if seq is None:
-            return
+            return []
         with self._lock:
             stream = self._streams.pop(seq.seq_id)
-        stream._call(stream._on_finished, seq)
+        return [(stream, stream._on_finished, seq)]
 
     def _die(self, reason: str) -> None:
         """Refuse new requests, then fail every request not finished."""
@@ -261,3 +266,23 @@ class AsyncLLM:
             stream._call(stream._items.put_nowait, LoopStopped(reason))
         if pending:
             log.warning("%s: failed %d pending request(s)", reason, len(pending))
+
+
+def _call_in_order(calls: list[tuple[RequestStream, object, object]]) -> None:
+    """Run each ``(stream, fn, arg)`` as ``fn(arg)`` on its stream's event loop, in order, with one
+    wake-up per event loop: a step's outputs for many requests wake their loop once, not once
+    each (each wake-up is a pipe write and a hand-over of the GIL the target loop runs under)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for stream, fn, arg in calls:
+        by_loop.setdefault(stream._loop, []).append((fn, arg))
+    for event_loop, batch in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is listening any more
+            event_loop.call_soon_threadsafe(_run_each, batch)
+
+
+def _run_each(batch: list) -> None:
+    for fn, arg in batch:
+        try:
+            fn(arg)
+        except Exception:  # noqa: BLE001 - one stream's failure must not keep the others' outputs
+            log.exception("delivering a step's output failed")

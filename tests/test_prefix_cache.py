@@ -436,3 +436,21 @@ def test_a_burst_of_short_prompts_leaves_a_round_between_the_steps_that_complete
     assert first_token_steps >= 4
     # Never two steps in a row without a token for the running stream.
     assert all(a or b for a, b in zip(runner_tokens, runner_tokens[1:])), runner_tokens
+
+
+def test_the_round_owed_after_a_prefill_carries_the_next_arrivals_prompt(tiny_llm):
+    """A prompt prefilled alone (no running rows to carry it) owes its sequence a round; a request
+    arriving meanwhile rides in that round's forward: both get a token from the same step."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with tiny_llm(mode="ar", prefix_cache_seqs=0) as llm:
+        loop = llm.loop
+        first = loop.new_sequence(_prompt(20, 1, vocab=VOCAB), params)
+        loop.add(first)
+        loop.step()
+        assert len(first.output) == 1 and loop.scheduler.round_owed
+        second = loop.new_sequence(_prompt(20, 2, vocab=VOCAB), params)
+        loop.add(second)
+        loop.step()
+        assert (len(first.output), len(second.output)) == (2, 1)
+        while loop.has_unfinished():
+            loop.step()

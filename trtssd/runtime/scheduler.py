@@ -150,11 +150,9 @@ class Scheduler:
         return admitted
 
     def prefill_pieces(self) -> list[Piece]:
-        """This step's prefill, in admission order, within the token budget (none while a round
-        is owed); the first sequence always gets a piece, so every prompt progresses. A request
-        asking for prompt logprobs is prefilled whole."""
-        if self.round_owed:
-            return []
+        """This step's prefill, in admission order, within the token budget; the first sequence
+        always gets a piece, so every prompt progresses. A request asking for prompt logprobs is
+        prefilled whole. (While a round is owed, only a round may carry them: TargetLoop.step.)"""
         left = self.prefill_chunk or float("inf")
         pieces: list[Piece] = []
         for seq in self.prefilling:

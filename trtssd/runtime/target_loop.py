@@ -102,12 +102,14 @@ class TargetLoop:
     def step(self) -> list[StepOutput]:
         """Schedule (admit, pieces) -> decide -> run -> observe. A plain round carries the step's
         prompt pieces in its forward (`_carries`). Otherwise they are prefilled first, and new
-        requests' first tokens go out at once: the round comes next step, before more prefill."""
+        requests' first tokens go out at once: the round comes next step, before any prefill of
+        its own (it may carry the next pieces)."""
         outputs: list[StepOutput] = []
         pieces = self._schedule()
         rows = list(self.scheduler.running)
         carried = pieces if rows and pieces and self._carries(rows, pieces) else []
-        first_tokens = self._prefill(pieces, outputs) if pieces and not carried else False
+        alone = [] if carried or self.scheduler.round_owed else pieces
+        first_tokens = self._prefill(alone, outputs) if alone else False
         if rows and not first_tokens:
             self.policy.observe(self._run(rows, not carried and self._decide(rows), outputs, carried))
         if self.scheduler.retire(round_owed=first_tokens):

@@ -94,6 +94,29 @@ def test_requests_join_a_running_loop_and_stream_exact_output(tiny_pair, referen
     assert sorted(r.request_id for r in records) == sorted(f.request_id for _, f in results)
 
 
+def test_a_steps_outputs_wake_the_event_loop_once(tiny_pair, reference):
+    """Every output of one step (several requests' tokens, their finished records) reaches the
+    requests' event loop in one wake-up, in order: the loop thread pays one pipe write a step,
+    not one an output."""
+    with _llm(tiny_pair, "ar", max_batch=4) as llm:
+        served = AsyncLLM(llm).start()
+        outputs_per_step = []
+        step = served.loop.step
+        served.loop.step = lambda: outputs_per_step.append(len(out := step())) or out
+
+        async def main():
+            event_loop, wakes = asyncio.get_running_loop(), []
+            wake = event_loop.call_soon_threadsafe
+            event_loop.call_soon_threadsafe = lambda *args: wakes.append(1) or wake(*args)
+            streams = [served.submit(p, GREEDY) for p in PROMPTS[:4]]
+            return await asyncio.gather(*(_collect(s) for s in streams)), len(wakes)
+
+        results, wakes = asyncio.run(main())
+        served.shutdown()
+    assert [tokens for tokens, _ in results] == reference[:4]
+    assert wakes == sum(1 for n in outputs_per_step if n) < sum(outputs_per_step)
+
+
 def test_an_aborted_stream_ends_with_abort_and_frees_its_rows(tiny_pair):
     with _llm(tiny_pair) as llm:
         served = AsyncLLM(llm).start()

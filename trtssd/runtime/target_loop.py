@@ -257,7 +257,7 @@ class TargetLoop:
         forced = self._forced(seqs, self.spec.k) if self.spec.mode is not Mode.AR else [[] for _ in seqs]
         guess = [] if any(forced) or pieces else self._spare_row_guess(seqs)
         proposed = [guess] if guess else forced
-        prompts = tuple(self.scheduler.prefill_groups(pieces)[0]) if pieces else ()
+        prompts = tuple(c for group in self.scheduler.prefill_groups(pieces) for c in group) if pieces else ()
         if any(proposed):  # the grammar's forced tokens or a guess, verified in this round's one forward
             result = self.verifier.verify(seqs, _proposal_tensor(proposed, self.spec.k), None, (True,) * len(seqs),
                                           tuple(len(f) for f in proposed), prompts=prompts)

@@ -87,12 +87,6 @@ class RequestStream:
             for seq_id in self._seq_ids:
                 self._server.abort(seq_id)
 
-    # --- from the loop thread ------------------------------------------------------------------
-
-    def _call(self, fn, *args) -> None:
-        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is listening any more
-            self._loop.call_soon_threadsafe(fn, *args)
-
     # --- on the event loop: the output processor ------------------------------------------------
 
     def _on_output(self, out: StepOutput) -> None:
@@ -262,8 +256,7 @@ class AsyncLLM:
             self.failure = reason
             pending = list({id(stream): stream for stream in self._streams.values()}.values())  # one per request
             self._streams.clear()
-        for stream in pending:
-            stream._call(stream._items.put_nowait, LoopStopped(reason))
+        _call_in_order([(stream, stream._items.put_nowait, LoopStopped(reason)) for stream in pending])
         if pending:
             log.warning("%s: failed %d pending request(s)", reason, len(pending))
 

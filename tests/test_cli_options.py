@@ -27,6 +27,7 @@ GIVEN = {
     "backup": (["--backup", "neural"], "neural"), "draft_timeout_s": (["--draft-timeout-s", "5"], 5.0),
     "plain_under_load": (["--no-plain-under-load"], False), "k_per_round": (["--k-per-round"], True),
     "max_batch": (["--max-batch", "2"], 2), "prefix_cache_seqs": (["--prefix-cache-seqs", "0"], 0),
+    "prefix_cache_mib": (["--prefix-cache-mib", "64"], 64),
     "prefill_chunk": (["--prefill-chunk", "512"], 512),
     "max_model_len": (["--max-model-len", "256"], 256), "tensor_parallel_size": (["--tensor-parallel-size", "2"], 2),
     "target_threads": (["--target-threads", "2"], 2),
@@ -148,6 +149,8 @@ def test_fanout_auto_and_a_fanout_that_fixes_k():
 @pytest.mark.parametrize("words, said", [
     (["--k", "17"], ["argument --k:", "[1, 16]"]),
     (["--k", "x"], ["argument --k:", "invalid int value"]),
+    (["--prefix-cache-seqs", "x"], ["argument --prefix-cache-seqs:", "invalid int value"]),
+    (["--prefix-cache-mib", "-1"], ["argument --prefix-cache-mib:", "non-negative integer"]),
     (["--mode", "fast"], ["argument --mode:", "'ar', 'sd', 'ssd'"]),
     (["--transport", "tcp"], ["argument --transport:", "'auto', 'host', 'cuda_ipc'"]),
     (["--lend-draft-cores", "sometimes"], ["argument --lend-draft-cores:", "'exact', 'always', 'never'"]),

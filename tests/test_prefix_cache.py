@@ -244,11 +244,18 @@ class _SavingRows(_Rows):
 
     def save_prefix(self, seq_id, n):
         assert seq_id in self.live
-        return ("saved", seq_id, n)
+        return _Saved(seq_id, n, size=n << 16)  # 40 tokens: 2.5 MiB
 
     def load_prefix(self, seq_id, saved, n):
-        assert seq_id in self.live and n <= saved[2]
-        self.loads.append((saved[1], seq_id, n))
+        assert seq_id in self.live and n <= saved.n_tokens
+        self.loads.append((saved.seq_id, seq_id, n))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Saved:
+    seq_id: int
+    n_tokens: int
+    size: int  # bytes in host memory
 
 
 def test_an_executor_that_saves_prefixes_holds_only_running_sequences():
@@ -265,6 +272,30 @@ def test_an_executor_that_saves_prefixes_holds_only_running_sequences():
     assert cache.start(12, prompts[0]) == 0  # evicted: two kept (1 and 2)
     cache.finish(12)
     assert cache.start(13, prompts[1] + [3]) == 40 and rows.loads[-1] == (1, 13, 40)
+
+
+def test_prompts_saved_to_host_memory_are_bounded_by_their_bytes_and_any_count():
+    rows = _SavingRows(2)
+    cache = PrefixCache(rows, max_kept=None, max_mib=6)  # room for two 2.5 MiB prompts
+    prompts = _run_to_the_end(cache, 4)
+    assert [cache.start(10 + i, p + [1]) for i, p in enumerate(prompts[:2])] == [0, 0]  # the oldest went
+    for i in (10, 11):
+        cache.finish(i)  # unindexed: released
+    assert cache.start(12, prompts[3] + [1]) == 40 and cache.start(13, prompts[2] + [1]) == 40
+    cache = PrefixCache(_SavingRows(2), max_kept=None, max_mib=2048)  # no count of its own: 12 kept
+    prompts = _run_to_the_end(cache, 12)
+    assert cache.start(20, prompts[0] + [1]) == 40
+    cache = PrefixCache(_SavingRows(2), max_kept=3, max_mib=2048)  # a count too: the tighter bound
+    prompts = _run_to_the_end(cache, 5)
+    assert cache.start(20, prompts[1] + [1]) == 0 and cache.start(21, prompts[2] + [1]) == 40
+
+
+def test_with_no_count_kept_sequences_fill_the_executors_room_and_give_it_back():
+    rows = _Rows(4)
+    cache = PrefixCache(rows, max_kept=None)
+    prompts = _run_to_the_end(cache, 6)
+    assert rows.live == {2, 3, 4, 5}  # each new one evicted the least recently used
+    assert cache.start(10, prompts[5] + [1]) == 40 and rows.live == {3, 4, 5, 10}
 
 
 def test_a_hash_collision_is_a_miss_never_a_wrong_prefix(monkeypatch):
@@ -385,6 +416,28 @@ def test_ggml_outputs_with_prefix_cache_and_chunks_equal_outputs_without(tmp_pat
     assert cached == [0, 64, 128, 0, 64]
     if mode != "ar":
         assert draft_cached == [0, 150, 150, 0, 150]  # the draft's rows need no such care
+
+
+def test_ggml_ranks_keep_more_prompts_than_their_sequences_by_default(tmp_path_factory):
+    """Unset, prefix_cache_seqs keeps as many prompts as prefix_cache_mib holds on llama.cpp ranks
+    (a kept prompt waits in host memory): twelve prompts sent in turn all hit when repeated."""
+    pytest.importorskip("llama_cpp")
+    from ggml_models import write_tiny_gguf
+
+    gguf = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", tensor_type="q8_0", scale=0.3,
+                           vocab_size=VOCAB + 200)
+    ref = ModelRef(str(gguf), backend="ggml")
+    prompts = [_prompt(40, 300 + i, vocab=VOCAB) for i in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(target=ref, draft=ref, mode="ssd", launch="local", k=3, max_batch=2, max_model_len=128,
+             plain_under_load=False) as llm:
+        first = [llm.generate([p], params)[0] for p in prompts]
+        again = [llm.generate([p], params)[0] for p in prompts]
+        assert _executor_sequences(llm) == (2, 2)
+    assert [o.num_cached_tokens for o in first] == [0] * 12
+    assert [o.num_cached_tokens for o in again] == [39] * 12  # all but the last prompt token
+    assert [o.speculation.draft_cached_tokens for o in again] == [39] * 12
+    assert [o.token_ids for o in again] == [o.token_ids for o in first]
 
 
 def test_chunked_prefill_interleaves_a_long_prompt_with_running_rounds(tiny_llm):

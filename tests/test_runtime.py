@@ -225,39 +225,43 @@ def _settle(pid: int, timeout_s: float = 10.0) -> None:
     shows the polling."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        before = _cpu_s(pid)
+        before = _cpu(pid)[0]
         time.sleep(0.25)
-        if _cpu_s(pid) - before < 0.0002:
+        if _cpu(pid)[0] - before < 0.0002:
             return
 
 
-def _cpu_s(pid: int) -> float:
-    """Seconds process ``pid`` has run on a CPU, all its threads (nanosecond counters)."""
-    total = 0
+def _cpu(pid: int) -> tuple[float, int]:
+    """Seconds process ``pid`` has run on a CPU and the times it was put on one (each wake-up),
+    all its threads (the kernel's schedstat counters)."""
+    seconds, slices = 0, 0
     for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
         try:
-            total += int(Path(path).read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            pass  # a thread that ended meanwhile
-    return total / 1e9
+            ran, _, times = Path(path).read_text().split()[:3]
+        except (OSError, ValueError):
+            continue  # a thread that ended meanwhile
+        seconds, slices = seconds + int(ran), slices + int(times)
+    return seconds / 1e9, slices
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the doorbell and /proc are Linux's")
 def test_an_idle_draft_blocks_instead_of_polling(tiny_pair):
     """Between requests (and through plain rounds, which borrow its cores) the draft rank waits
-    on its doorbell: over 2 s idle it runs well under a millisecond and wakes a handful of times
-    (polling, it woke ~200 times a second). A request after the idle spell is answered at once."""
+    on its doorbell: over 2 s idle it wakes about once a second (to see that the target lives),
+    where polling woke it ~200 times a second, and runs under 1% of a core (a wake-up after a
+    second asleep costs this VM 1-6 ms, most of it MPICH's first probe touching memory gone cold).
+    A request after the idle spell is answered at once."""
     with spawned_llm(tiny_pair, "ssd", max_batch=2) as llm:
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         llm.generate([PROMPTS[0]], params)
         draft = psutil.Process(llm.loop.draft.pid)
         _settle(draft.pid)  # past the short spell of polls and the work after the last message
-        cpu0, switches0 = _cpu_s(draft.pid), draft.num_ctx_switches().voluntary
+        cpu0, wakes0 = _cpu(draft.pid)
         time.sleep(2.0)
-        cpu, switches = _cpu_s(draft.pid) - cpu0, draft.num_ctx_switches().voluntary - switches0
+        cpu, wakes = (after - before for after, before in zip(_cpu(draft.pid), (cpu0, wakes0)))
         t0 = time.perf_counter()
         out = llm.generate([PROMPTS[1]], params)[0]
         took = time.perf_counter() - t0
         summary = llm.metrics.summary()
-    assert cpu < 0.003 and switches < 40, (cpu, switches)
+    assert wakes <= 10 and cpu < 0.02, (wakes, cpu)
     assert len(out.token_ids) == 8 and summary["degraded_rounds"] == 0 and took < 10

@@ -96,6 +96,8 @@ def _kind(f: dataclasses.Field, hint: Any) -> dict[str, Any]:
     if hint in (int, float):
         return {"type": hint}
     members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if set(members) in ({int, type(None)}, {float, type(None)}):  # unset means None: the default's own rule
+        return {"type": next(m for m in members if m is not type(None))}
     if any(_is_int_sequence(m) for m in members):
         # Comma-separated ints; a field that is also a string (fanout) takes its default word too.
         return {"type": _int_list(f.default if str in members else None)}

@@ -156,6 +156,7 @@ def speculative_config(given: Mapping[str, Any], defaults: Mapping[str, Any] | N
 
 
 LEND_DRAFT_CORES = ("exact", "always", "never")
+KEPT_SEQUENCES = 8  # the prefix cache's kept prompts on a torch rank when prefix_cache_seqs is unset
 
 # Options renamed so that each word means one thing (docs/layout.md, glossary): old name -> new.
 # The old names keep working for one release, with a deprecation warning.
@@ -189,8 +190,15 @@ class RuntimeConfig:
     # torch.distributed (trtssd/backends/tensor_parallel.py), so a model too big for one device runs.
     tensor_parallel_size: int = _opt(1, "target ranks: the torch target split over this many processes (gloo on CPU, "
                                      "NCCL on CUDA); must divide the model's attention and KV heads")
-    prefix_cache_seqs: int = _opt(8, "finished requests whose prompt KV each rank keeps for reuse by a request "
-                                  "repeating its prefix (prefix caching; least recently used go first); 0: off")
+    # Where kept prompts wait decides what bounds them: llama.cpp copies them to host memory
+    # (prefix_cache_mib), torch keeps each as a KV-pool sequence (KEPT_SEQUENCES more in the pool).
+    prefix_cache_seqs: int | None = _opt(None, "finished requests whose prompt KV each rank keeps for reuse by a "
+                                         "request repeating its prefix (prefix caching; least recently used go "
+                                         f"first); 0: off; unset: as many as fit, {KEPT_SEQUENCES} on a torch rank "
+                                         "(each a sequence of its KV pool), --prefix-cache-mib of host memory on a "
+                                         "llama.cpp rank")
+    prefix_cache_mib: int = _opt(2048, "host memory (MiB) the kept prompts of a llama.cpp rank may take (there a "
+                                 "kept prompt's KV is copied out of llama.cpp's cache)")
     prefill_chunk: int = _opt(256, "most prompt tokens prefilled per step: a longer prompt is prefilled over several "
                               "steps between rounds of the running batch (chunked prefill); 0: whole prompts")
     target_threads: int = _opt(1, "torch threads on the target rank (CPU)")
@@ -237,9 +245,10 @@ class RuntimeConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer; got {v!r}")
-        for name in ("prefix_cache_seqs", "prefill_chunk"):
+        for name in ("prefix_cache_seqs", "prefix_cache_mib", "prefill_chunk"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            if (v is not None or name != "prefix_cache_seqs") and (not isinstance(v, int) or isinstance(v, bool)
+                                                                   or v < 0):
                 raise ValueError(f"{name} must be a non-negative integer; got {v!r}")
         if self.lend_draft_cores not in LEND_DRAFT_CORES:
             raise ValueError(f"lend_draft_cores must be one of {LEND_DRAFT_CORES}; got {self.lend_draft_cores!r}")
@@ -249,6 +258,11 @@ class RuntimeConfig:
             v = getattr(self, name)
             if v is not None:
                 object.__setattr__(self, name, tuple(int(c) for c in v))
+
+    @property
+    def kept_sequences(self) -> int:
+        """Sequences a torch executor's KV pool holds for kept prompts, besides the running ones."""
+        return KEPT_SEQUENCES if self.prefix_cache_seqs is None else self.prefix_cache_seqs
 
     @property
     def resolved_transport(self) -> Transport:

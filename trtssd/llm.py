@@ -118,7 +118,8 @@ class LLM:
         costs = calibrate_target(executor, self.spec, rt.max_batch, link.step_s if link is not None else None, lending,
                                  executor_verifies=verifier is None)
         return TargetLoop(executor, self.spec, rt.max_batch, rt.max_model_len, _eos_ids(self.tokenizer), link,
-                          verifier, lending, prefix_cache_seqs=rt.prefix_cache_seqs, prefill_chunk=rt.prefill_chunk,
+                          verifier, lending, prefix_cache_seqs=rt.prefix_cache_seqs,
+                          prefix_cache_mib=rt.prefix_cache_mib, prefill_chunk=rt.prefill_chunk,
                           grammars=grammars, costs=costs)
 
     def _verifier(self, vocab_size: int) -> Verifier | None:

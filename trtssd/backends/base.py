@@ -145,7 +145,8 @@ class Executor(Protocol):
 
     def save_prefix(self, seq_id: int, n_tokens: int) -> object:
         """A copy of the first ``n_tokens`` committed tokens' KV of ``seq_id``, outside the
-        executor (the sequence may then be released). Called only where ``capabilities.saves_prefix``."""
+        executor (the sequence may then be released), whose ``size`` is the bytes it holds (the
+        prefix cache's memory bound). Called only where ``capabilities.saves_prefix``."""
 
     def load_prefix(self, seq_id: int, saved: object, n_tokens: int) -> None:
         """Lay the first ``n_tokens`` of a `save_prefix` copy into the new sequence ``seq_id`` as

@@ -39,10 +39,10 @@ def load_worker(draft_model: ModelRef, spec: SpeculativeConfig, runtime: Runtime
     executor = load_executor(draft_model, max_seqs=runtime.max_batch, max_seq_len=max_seq_len,
                              max_batch_tokens=batch_tokens(spec, runtime), device=runtime.draft_device,
                              device_field="draft_device", row_invariant=False,
-                             kept_prompts=runtime.prefix_cache_seqs)
+                             kept_prompts=runtime.kept_sequences)
     # The tokenizer is loaded at the first constrained request, not before.
     grammars = Grammars(lambda: load_tokenizer(draft_model.path), executor.vocab_size)
-    worker = DraftWorker(executor, spec, runtime.prefix_cache_seqs, grammars)
+    worker = DraftWorker(executor, spec, runtime.prefix_cache_seqs, grammars, runtime.prefix_cache_mib)
     # The auto fan-out prices trees with it; load control bounds what speculation can give with it.
     if (spec.mode is Mode.SSD and spec.fixed_fanout is None) or spec.plain_under_load:
         # No wider than this configuration's widest tree or glue: the widest sizes cost the most

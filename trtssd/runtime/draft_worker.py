@@ -112,13 +112,13 @@ class Drafts:
 
 
 class DraftWorker:
-    def __init__(self, executor: Executor, spec: SpeculativeConfig, prefix_cache_seqs: int = 0,
-                 grammars: Grammars | None = None):
+    def __init__(self, executor: Executor, spec: SpeculativeConfig, prefix_cache_seqs: int | None = 0,
+                 grammars: Grammars | None = None, prefix_cache_mib: int | None = None):
         """grammars: the draft tokenizer's grammar compiler (None: constrained requests are drafted
         unmasked, which costs acceptance, never exactness)."""
         self.executor = executor
         self.grammars = grammars
-        self.prefix_cache = PrefixCache(executor, prefix_cache_seqs)
+        self.prefix_cache = PrefixCache(executor, prefix_cache_seqs, prefix_cache_mib)
         self._prefilled: dict[int, tuple[int, int]] = {}  # partly prefilled -> (tokens in, of them cached)
         self.spec = spec
         self.k = spec.k

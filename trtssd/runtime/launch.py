@@ -59,9 +59,9 @@ def start_target(target: ModelRef, spec: SpeculativeConfig, runtime: RuntimeConf
                              "orchestrator mode starts the engine's ranks; docs/tensorrt_llm.md, Tensor parallelism)")
     if runtime.tensor_parallel_size == 1 or runtime.verifier is VerifierKind.TRTLLM:
         return load_executor(target, device=runtime.target_device, device_field="target_device",
-                             kept_prompts=runtime.prefix_cache_seqs, row_invariant=runtime.row_invariant, **options)
+                             kept_prompts=runtime.kept_sequences, row_invariant=runtime.row_invariant, **options)
     targets = world_groups(runtime.tensor_parallel_size).targets if launch == "world" else None
-    options["max_seqs"] += runtime.prefix_cache_seqs  # torch keeps kept prompts as sequences (load_side)
+    options["max_seqs"] += runtime.kept_sequences  # torch keeps kept prompts as sequences (load_side)
     return start_tensor_parallel_target(target, runtime, targets=targets, **options)
 
 

@@ -12,10 +12,13 @@ holds the same with speculation on and off: docs/design/prefix-cache.md.
   one, or a finished one kept for reuse. A new sequence shares the holder's prefix through
   `Executor.share_prefix` (llama.cpp: the same cells under one more sequence id; torch: a copy of
   the rows), then prefills what follows it.
-- Finished holders are kept up to ``max_kept`` and evicted least recently used first, also when
-  the executor has no room for a new sequence, so the cache never refuses a request. An executor
-  that can copy a prefix out (`save_prefix`, llama.cpp) keeps a finished holder's prompt KV in
-  host memory and releases the sequence; a hit loads it back (`load_prefix`).
+- Finished holders are kept up to ``max_kept`` (None: no count of its own) and evicted least
+  recently used first, also when the executor has no room for a new sequence, so the cache never
+  refuses a request. An executor that can copy a prefix out (`save_prefix`, llama.cpp) keeps a
+  finished holder's prompt KV in host memory, up to ``max_mib`` MiB of it, and releases the
+  sequence; a hit loads it back (`load_prefix`). Elsewhere (torch) a kept holder stays a sequence
+  of the executor, so with no count of its own the cache keeps as many as the executor has room
+  for.
 - A cached prefix gives a fresh prefill's KV and logits: it ends only where the executor allows a
   prompt to be split (`PromptSplits.allows`), it is found only by prompts whose prefill runs on
   the kernels that wrote it (`PromptSplits.kind`, the root of the block hashes), and only KV a
@@ -50,11 +53,14 @@ class _Holder:
 
 
 class PrefixCache:
-    def __init__(self, executor: Executor, max_kept: int):
-        if not isinstance(max_kept, int) or max_kept < 0:
-            raise ValueError(f"prefix_cache_seqs must be a non-negative int; got {max_kept!r}")
+    def __init__(self, executor: Executor, max_kept: int | None, max_mib: int | None = None):
+        for name, value in (("prefix_cache_seqs", max_kept), ("prefix_cache_mib", max_mib)):
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be a non-negative int or None; got {value!r}")
         self.executor = executor
         self.max_kept = max_kept if executor.capabilities.shares_prefix else 0
+        self.max_bytes = None if max_mib is None else max_mib << 20  # of saved prompts (None: no limit)
+        self._saved_bytes = 0
         self.splits: PromptSplits = executor.capabilities.prompt_splits
         self._holders: dict[int, _Holder] = {}  # seq_id -> its indexed prompt (running or kept)
         self._by_hash: dict[int, dict[int, None]] = {}  # block hash -> holders (insertion-ordered)
@@ -62,7 +68,7 @@ class PrefixCache:
 
     @property
     def enabled(self) -> bool:
-        return self.max_kept > 0
+        return self.max_kept != 0
 
     def reuse_keeps_bits(self, params) -> bool:
         """Whether a request with these SamplingParams may take a cached prefix: always, unless
@@ -107,10 +113,15 @@ class PrefixCache:
             return
         if self.executor.capabilities.saves_prefix:
             holder.saved = self.executor.save_prefix(seq_id, len(holder.prompt))
+            self._saved_bytes += holder.saved.size
             self.executor.release(seq_id)
         self._kept[seq_id] = None
-        while len(self._kept) > self.max_kept:
+        while self._kept and self._over_limit():
             self._evict_oldest()
+
+    def _over_limit(self) -> bool:
+        return ((self.max_kept is not None and len(self._kept) > self.max_kept)
+                or (self.max_bytes is not None and self._saved_bytes > self.max_bytes))
 
     def _lookup(self, prompt: list[int]) -> tuple[int, int] | None:
         """(holder, tokens) of the longest reusable cached prefix, or None. Found by whole blocks,
@@ -159,3 +170,5 @@ class PrefixCache:
                 del self._by_hash[h]
         if holder.saved is None:
             self.executor.release(seq_id)
+        else:
+            self._saved_bytes -= holder.saved.size

@@ -35,8 +35,9 @@ Piece = tuple[Sequence, int]  # a sequence and where this step's piece of its pr
 
 class Scheduler:
     def __init__(self, target: Executor, honours: Callable[[SamplingParams], None], max_batch: int,
-                 max_model_len: int, eos_token_ids: tuple[int, ...], prefix_cache_seqs: int, prefill_chunk: int,
-                 grammars: Grammars | None, metrics: SpeculationMetrics):
+                 max_model_len: int, eos_token_ids: tuple[int, ...], prefix_cache_seqs: int | None,
+                 prefix_cache_mib: int | None, prefill_chunk: int, grammars: Grammars | None,
+                 metrics: SpeculationMetrics):
         """honours: raises ValueError for sampling parameters the target's rounds cannot honour
         exactly (the loop's verifier's `check`). metrics: the loop's aggregate, which every
         sequence's counts join as it leaves."""
@@ -48,7 +49,7 @@ class Scheduler:
         self.max_model_len = max_model_len  # prompt + output tokens per sequence, as the user set it
         self.eos_token_ids = tuple(eos_token_ids)
         self.grammars = grammars
-        self.prefix_cache = PrefixCache(target, prefix_cache_seqs)
+        self.prefix_cache = PrefixCache(target, prefix_cache_seqs, prefix_cache_mib)
         self.prefill_chunk = prefill_chunk
         self.metrics = metrics
         self.waiting: deque[Sequence] = deque()

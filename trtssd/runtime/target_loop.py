@@ -39,11 +39,13 @@ class TargetLoop:
     def __init__(self, target: Executor, spec: SpeculativeConfig, max_batch: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...] = (), draft: DraftClient | None = None,
                  verifier: Verifier | None = None, lending: CoreLending | None = None,
-                 prefix_cache_seqs: int = 0, prefill_chunk: int = 0, grammars: Grammars | None = None,
+                 prefix_cache_seqs: int | None = 0, prefix_cache_mib: int | None = None, prefill_chunk: int = 0,
+                 grammars: Grammars | None = None,
                  costs: TargetCosts = TargetCosts()):
-        """prefix_cache_seqs: finished sequences whose prompt KV is kept for reuse (an executor
-        that keeps them as sequences must hold max_batch + that many; llama.cpp's go to host
-        memory). prefill_chunk: most prompt tokens prefilled per step (0: whole prompts).
+        """prefix_cache_seqs, prefix_cache_mib: finished sequences whose prompt KV is kept for
+        reuse, and the host memory they may take where the executor saves them there (llama.cpp);
+        None: no limit of its own (an executor keeping them as sequences holds those it has room
+        for). prefill_chunk: most prompt tokens prefilled per step (0: whole prompts).
         grammars: the target tokenizer's grammar compiler (None: constraints are refused).
         lending, costs: the round policy's cores and calibrated forwards (`calibrate_target`,
         which the launcher calls: constructing a loop times nothing and writes nothing)."""
@@ -57,7 +59,8 @@ class TargetLoop:
         self.metrics = SpeculationMetrics()
         # The loop's verifier at the time of each request (a caller may swap it).
         self.scheduler = Scheduler(target, lambda params: self.verifier.check(params), max_batch, max_model_len,
-                                   eos_token_ids, prefix_cache_seqs, prefill_chunk, grammars, self.metrics)
+                                   eos_token_ids, prefix_cache_seqs, prefix_cache_mib, prefill_chunk, grammars,
+                                   self.metrics)
         self.policy = RoundPolicy(spec, lending, costs, self.draft.step_s if self.draft is not None else None)
         self._round = 0
         self._last_verify_s = 0.0

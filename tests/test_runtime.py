@@ -258,7 +258,8 @@ def test_an_idle_draft_blocks_instead_of_polling(tiny_pair):
         _settle(draft.pid)  # past the short spell of polls and the work after the last message
         cpu0, wakes0 = _cpu(draft.pid)
         time.sleep(2.0)
-        cpu, wakes = (after - before for after, before in zip(_cpu(draft.pid), (cpu0, wakes0)))
+        cpu1, wakes1 = _cpu(draft.pid)
+        cpu, wakes = cpu1 - cpu0, wakes1 - wakes0
         t0 = time.perf_counter()
         out = llm.generate([PROMPTS[1]], params)[0]
         took = time.perf_counter() - t0

@@ -247,8 +247,9 @@ class RuntimeConfig:
                 raise ValueError(f"{name} must be a positive integer; got {v!r}")
         for name in ("prefix_cache_seqs", "prefix_cache_mib", "prefill_chunk"):
             v = getattr(self, name)
-            if (v is not None or name != "prefix_cache_seqs") and (not isinstance(v, int) or isinstance(v, bool)
-                                                                   or v < 0):
+            if name == "prefix_cache_seqs" and v is None:
+                continue  # unset: as many as fit
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be a non-negative integer; got {v!r}")
         if self.lend_draft_cores not in LEND_DRAFT_CORES:
             raise ValueError(f"lend_draft_cores must be one of {LEND_DRAFT_CORES}; got {self.lend_draft_cores!r}")

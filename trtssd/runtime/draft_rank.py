@@ -42,7 +42,8 @@ def load_worker(draft_model: ModelRef, spec: SpeculativeConfig, runtime: Runtime
                              kept_prompts=runtime.kept_sequences)
     # The tokenizer is loaded at the first constrained request, not before.
     grammars = Grammars(lambda: load_tokenizer(draft_model.path), executor.vocab_size)
-    worker = DraftWorker(executor, spec, runtime.prefix_cache_seqs, grammars, runtime.prefix_cache_mib)
+    worker = DraftWorker(executor, spec, prefix_cache_seqs=runtime.prefix_cache_seqs, grammars=grammars,
+                          prefix_cache_mib=runtime.prefix_cache_mib)
     # The auto fan-out prices trees with it; load control bounds what speculation can give with it.
     if (spec.mode is Mode.SSD and spec.fixed_fanout is None) or spec.plain_under_load:
         # No wider than this configuration's widest tree or glue: the widest sizes cost the most

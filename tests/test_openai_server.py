@@ -575,8 +575,9 @@ def test_echo_and_prompt_logprobs_score_the_prompt(served):
     both = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=1, echo=True)
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=1)
     assert both.choices[0].text == prompt + plain.choices[0].text
+    # The plain request may reuse the cached prompt, equal on torch to a prefill up to rounding.
     assert both.choices[0].logprobs.token_logprobs[len(ids):] == pytest.approx(
-        plain.choices[0].logprobs.token_logprobs, abs=1e-5)
+        plain.choices[0].logprobs.token_logprobs, abs=1e-4)
     # vLLM's prompt_logprobs, completions (on the choice) and chat (on the response).
     raw = _complete(httpx.Client(base_url=bg.url, headers=AUTH, timeout=60), prompt=ids, max_tokens=1,
                     prompt_logprobs=2)

@@ -233,6 +233,19 @@ def test_least_recently_used_goes_first_and_a_full_executor_evicts_instead_of_re
         cache.start(12, _prompt(40, 8)), cache.start(13, _prompt(40, 7))
 
 
+def test_a_full_executor_evicts_the_holder_a_new_request_reuses_last():
+    rows = _Rows(3)
+    cache = PrefixCache(rows, max_kept=None)
+    prompts = _run_to_the_end(cache, 2)  # 0 and 1 kept, 0 the least recently used
+    cache.start(2, _prompt(40, 9))  # running: the executor is full
+    assert cache.start(3, prompts[0] + [1]) == 40 and rows.live == {0, 2, 3}  # 1 went, not its holder
+    rows2 = _Rows(2)
+    cache = PrefixCache(rows2, max_kept=None)
+    prompts = _run_to_the_end(cache, 1)
+    cache.start(1, _prompt(40, 9))
+    assert cache.start(2, prompts[0] + [1]) == 0 and rows2.live == {1, 2}  # the only room was the holder's
+
+
 class _SavingRows(_Rows):
     """An executor that copies a finished prompt out (llama.cpp's host-memory prompt cache)."""
 

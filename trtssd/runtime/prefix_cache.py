@@ -81,17 +81,17 @@ class PrefixCache:
         that prefix's length (0 on a miss). ``reuse`` False starts it empty (a request that
         wants every prompt row's logits)."""
         found = self._lookup(prompt) if reuse and self.enabled else None
+        if found is not None and found[0] in self._kept:
+            self._kept.move_to_end(found[0])  # the last to go if the executor needs room for seq_id
         self._add(seq_id)
-        if found is None:
-            return 0
+        if found is None or found[0] not in self._holders:
+            return 0  # a miss, or the holder was the only kept sequence that could give up its room
         holder, n = found
         saved = self._holders[holder].saved
         if saved is None:
             self.executor.share_prefix(holder, seq_id, n)
         else:
             self.executor.load_prefix(seq_id, saved, n)
-        if holder in self._kept:
-            self._kept.move_to_end(holder)
         return n
 
     def index(self, seq_id: int, prompt: list[int]) -> None:
